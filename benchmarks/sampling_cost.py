@@ -1,7 +1,7 @@
 """What turning a verify pass's rows into distributions costs, per sampling setting.
 
 Every sampled step builds k + 1 rows over the whole vocabulary (``sampling.probabilities``; under
-mirostat each at the μ its drafts reach, ``TargetPasses.path_p_target``), and
+mirostat and adaptive-p each at the state its drafts reach, ``TargetPasses.path_p_target``), and
 settings that shape rows by their text (penalties, DRY, a bias) shape each row first
 (``sampling.text_shaped_rows``). This times both on a real model's own rows: one pass of
 ``--rows`` rows after each prompt (SmolLM2-135M F16 by default: 49,152 tokens a row), for the
@@ -33,6 +33,7 @@ from specrun.bench.suite import BUILTIN_SUITE, load_jsonl, select
 from specrun.drafters.base import Proposal
 from specrun.dry import Dry
 from specrun.engine.passes import TargetPasses
+from specrun.adaptive_p import AdaptiveP
 from specrun.mirostat import Mirostat
 from specrun.penalties import Penalties
 from specrun.registry.loading import load_registry, resolve_gguf
@@ -57,6 +58,7 @@ SETTINGS = {
     "DRY 0.8, the whole text": SamplingSettings(T, dry=Dry(0.8, last_n=-1)),
     "mirostat 2 (τ 5)": SamplingSettings(T, mirostat=Mirostat(2)),
     "mirostat 1 (τ 5)": SamplingSettings(T, mirostat=Mirostat(1)),
+    "min-p 0.05, adaptive-p 0.3": SamplingSettings(T, min_p=0.05, adaptive_p=AdaptiveP(0.3)),
 }
 
 
@@ -69,7 +71,7 @@ def time_pass(rows: np.ndarray, settings: SamplingSettings, text: list[int]) -> 
     passes.start_text(settings)  # μ at its start, 2τ
     start = time.perf_counter()
     shaped = text_shaped_rows(rows, settings, context, paths) if settings.shapes_rows else rows
-    if settings.mirostat_on:  # each row cut at the μ its drafts reach, as the engine's passes cut them
+    if settings.carries_state:  # each row at the state its drafts reach (mirostat's μ, adaptive-p's average)
         passes.path_p_target(shaped, settings, drafts)
     else:
         probabilities(shaped, settings)

@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specrun.dry import Dry, dry_penalties, resolved
-from specrun.mirostat import Mirostat, cut
+from specrun import adaptive_p, mirostat
+from specrun.adaptive_p import AdaptiveP
+from specrun.mirostat import Mirostat
 from specrun.penalties import MAX_BIAS, AheadShaping, Penalties, shaped_rows
 from specrun.reasoning_budget import ReasoningBudget, forced_rows
 
@@ -46,9 +48,12 @@ LEAST_TEMPERATURE = 1e-30
 # specrun's order until 2026-12-07: a sampled trace or bench file that names no order sampled so
 TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")
 # llama.cpp's sampler names (common/sampling.cpp; llama-server's ``samplers``, llama-cli's --samplers),
-# each as specrun names it: the penalties (always first here), and None for those specrun has not,
-# which change nothing at their inert settings and may be listed
-LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": "dry", "adaptive_p": None}
+# each as specrun names it: the penalties (always first here), and adaptive-p, always last (no place
+# in an order: listed, it is on where its target is)
+LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": "dry",
+                  "adaptive_p": "adaptive_p"}
+# the samplers that leave a row fewer candidates than its finite logits (adaptive-p reshapes those left)
+CUTTING = frozenset({"top_k", "top_p", "min_p", "typ_p", "top_n_sigma", "xtc", "infill"})
 SHAPING = ("penalties", "dry")  # the samplers that shape the logits by their text, first, in this order
 SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in LLAMA_SAMPLERS if "_" in name},
                    **{name.replace("_", ""): name for name in LLAMA_SAMPLERS if "_" in name},
@@ -150,6 +155,9 @@ class SamplingSettings:
     # its text carries (mirostat.py); the other samplers, the penalties and DRY off under it (held
     # off), as in llama.cpp's chain
     mirostat: Mirostat = Mirostat()
+    # llama.cpp's adaptive-p (a target of 0 or more: on), last: each row reshaped towards the tokens
+    # near a target the text's average adapts (adaptive_p.py); off under mirostat, as in llama.cpp
+    adaptive_p: AdaptiveP = AdaptiveP()
 
     def __post_init__(self) -> None:
         if self.top_n_sigma < 0.0:
@@ -157,6 +165,7 @@ class SamplingSettings:
         if self.mirostat.on:  # llama.cpp's chain under mirostat: a bias, the temperature, mirostat
             object.__setattr__(self, "penalties", Penalties())
             object.__setattr__(self, "dry", Dry())
+            object.__setattr__(self, "adaptive_p", AdaptiveP(decay=self.adaptive_p.decay))
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +186,17 @@ class SamplingSettings:
     def mirostat_on(self) -> bool:
         """Is each row cut by the μ its text reached (mirostat 1 or 2 in a run that samples)?"""
         return self.mirostat.on and not self.greedy
+
+    @property
+    def adaptive_on(self) -> bool:
+        """Is each row reshaped at the average its text reached (adaptive-p in a run that samples)?"""
+        return self.adaptive_p.on and not self.greedy
+
+    @property
+    def carries_state(self) -> bool:
+        """Does a sampler carry a state along the text (mirostat's μ, adaptive-p's average), so that
+        each row's distribution follows the path of tokens before it (``stateful_rows``)?"""
+        return self.mirostat_on or self.adaptive_on
 
     @property
     def dynatemp_on(self) -> bool:
@@ -210,7 +230,7 @@ class SamplingSettings:
         (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), typical-p,
         top-n-sigma, XTC, llama.cpp's infill rule, a reasoning budget."""
         if self.greedy or {"top_p", "typ_p", "top_n_sigma", "xtc"} & set(self.chain) or self.infill \
-                or self.reasoning_budget is not None or self.dynatemp_on or self.mirostat_on:
+                or self.reasoning_budget is not None or self.dynatemp_on or self.carries_state:
             return None
         return AheadSampling(self, draw)
 
@@ -261,6 +281,10 @@ class SamplingSettings:
         problems += self.penalties.problems()
         problems += self.dry.problems()
         problems += self.mirostat.problems()
+        problems += self.adaptive_p.problems()
+        if self.adaptive_on and self.xtc_on:
+            problems.append("--adaptive-target beside --xtc-probability: adaptive-p's average would follow the rows "
+                            "XTC's coin left, which the text does not say (no verifier could know it)")
         for token, amount in self.logit_bias:
             if token < 0:
                 problems.append(f"--logit-bias names token {token}: token ids are 0 or more")
@@ -303,6 +327,8 @@ class SamplingSettings:
             said.append(f"dynamic temperature ±{self.dynatemp_range:.10g} (exponent {self.dynatemp_exponent:.10g})")
         if self.infill:
             said.append("infill rule")
+        if self.adaptive_on:
+            said.append(self.adaptive_p.describe())
         if self.chain != tuple(name for name in SAMPLERS if name in self.chain):  # an order of its own
             said.append(f"samplers {';'.join(self.chain)}")
         if self.seed is not None:
@@ -327,6 +353,8 @@ class SamplingSettings:
                 fields.update(dynatemp_range=self.dynatemp_range, dynatemp_exponent=self.dynatemp_exponent)
             if self.mirostat_on:
                 fields["mirostat"] = self.mirostat.fields()
+            if self.adaptive_on:
+                fields["adaptive_p"] = self.adaptive_p.fields()
         if self.penalties.on:
             fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
                                    "presence": self.penalties.presence, "last_n": self.penalties.last_n}
@@ -387,14 +415,14 @@ def top_probability(logits: np.ndarray) -> float:
 
 
 def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: InfillVocab | None = None,
-                  mu: float | np.ndarray | None = None) -> np.ndarray:
+                  state=None) -> np.ndarray:
     """Row-wise next-token distributions under ``settings``: their samplers applied in their
     order (``SamplingSettings.chain``), each renormalising what it keeps. llama.cpp's infill rule,
     where the settings ask for it, reads ``infill``'s vocabulary (``infill_vocab_of``); without
-    one it is left out (a head's drafts: any row a draft is drawn from is exact). Under mirostat
-    each row is cut at its ``mu`` ((n,) or one for all; None: the settings' own, ``Mirostat.drafting_mu``,
-    as drafters draw, any row a draft is drawn from being exact): the target's rows at the μ their
-    paths reached (engine/passes.py).
+    one it is left out (a head's drafts: any row a draft is drawn from is exact). Under a sampler
+    that carries a state along the text (mirostat, adaptive-p) each row then takes it at its
+    ``state`` (``stateful_rows``; None: the settings' own, as drafters draw, any row a draft is
+    drawn from being exact): the target's rows each at the state its path reached (engine/passes.py).
 
     logits: (n, vocab) or (vocab,). Returns float64 of the same shape, rows sum to 1.
     Greedy settings give a one-hot row at the argmax.
@@ -408,10 +436,59 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
         return out[0] if squeeze else out
 
     probs = _chained(rows, settings, settings.chain, infill)
-    if settings.mirostat_on:  # the rows at temperature, cut at each one's μ (n,; one for all)
-        probs = cut(probs, settings.mirostat, np.broadcast_to(settings.mirostat.drafting_mu if mu is None else mu,
-                                                              (len(probs),)))
+    if settings.carries_state:
+        probs = stateful_rows(probs, settings, [state] * len(probs), rows)
     return probs[0] if squeeze else probs
+
+
+def chain_probabilities(logits: np.ndarray, settings: SamplingSettings, infill: InfillVocab | None = None) -> np.ndarray:
+    """``probabilities`` before a sampler that carries a state along the text: the rest of the chain's rows."""
+    if not settings.carries_state:
+        return probabilities(logits, settings, infill)
+    logits = np.asarray(logits, dtype=np.float64)
+    rows = logits[None, :] if logits.ndim == 1 else logits
+    probs = _chained(rows, settings, settings.chain, infill)
+    return probs[0] if logits.ndim == 1 else probs
+
+
+def stateful_rows(probs: np.ndarray, settings: SamplingSettings, states: Sequence, logits: np.ndarray) -> np.ndarray:
+    """The rest of the chain's rows ``probs`` (n, V) of ``logits`` (n, V) under the sampler that
+    carries a state along the text, each at its state (None: the settings' own): mirostat's cut at
+    μ (in place), adaptive-p's reshaping of the candidates the chain left (a new array): those it
+    kept, or every finite logit where nothing before it cuts, as llama.cpp reshapes them (a float64
+    row may hold 0 for a token far below the top at a low temperature)."""
+    if settings.mirostat_on:
+        mus = [settings.mirostat.drafting_mu if state is None else state for state in states]
+        return mirostat.cut(probs, settings.mirostat, np.asarray(mus, dtype=np.float64))
+    averages = [settings.adaptive_p.drafting_state if state is None else state for state in states]
+    candidates = probs > 0.0 if CUTTING & set(settings.chain) else np.isfinite(logits)
+    return adaptive_p.reshaped(probs, settings.adaptive_p, np.asarray(averages, dtype=np.float64).reshape(-1, 2),
+                               candidates)
+
+
+def state_start(settings: SamplingSettings):
+    """The state a text begins with under the sampler that carries one (None: no such sampler)."""
+    if settings.mirostat_on:
+        return settings.mirostat.start
+    return settings.adaptive_p.start if settings.adaptive_on else None
+
+
+def state_moved(settings: SamplingSettings, state, original: np.ndarray, final: np.ndarray, token: int):
+    """The state after ``token``, drawn from ``final`` (V,), which the sampler made of ``original`` at
+    ``state``: mirostat's μ moves by the token's surprise under the row drawn from, adaptive-p's average
+    takes its probability before the reshaping."""
+    if settings.mirostat_on:
+        return mirostat.moved(state, settings.mirostat, final, token)
+    return adaptive_p.moved(state, settings.adaptive_p, original, token)
+
+
+def with_drafting_state(settings: SamplingSettings, state) -> SamplingSettings:
+    """``settings`` whose stateful sampler draws at ``state`` where no other is given (drafters')."""
+    if settings.mirostat_on:
+        return replace(settings, mirostat=replace(settings.mirostat, mu=state))
+    if settings.adaptive_on:
+        return replace(settings, adaptive_p=replace(settings.adaptive_p, state=state))
+    return settings
 
 
 def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str], infill: InfillVocab | None,

@@ -39,11 +39,12 @@ from scipy import stats as scipy_stats
 
 import specrun.engine.passes
 from specrun.engine.passes import DEFAULT_CHAIN_RULE
-from oracle import distribution, exact_joint, mirostat_distribution, mirostat_moved, mirostat_rows
+from oracle import distribution, exact_joint, state_rows
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import (
     METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads, resolve_method
 )
+from specrun.adaptive_p import AdaptiveP
 from specrun.mirostat import Mirostat
 from specrun.sampling import SamplingSettings
 from specrun.engine.stats import Stats
@@ -325,11 +326,11 @@ def oracle_reference(table, sampling: SamplingSettings) -> Reference:
     def row(context: tuple[int, ...]) -> tuple[float, ...]:
         return tuple(distribution(table(context), sampling))
 
-    along = functools.cache(lambda prompt: mirostat_rows(table, prompt, sampling))  # μ follows the output
+    along = functools.cache(lambda prompt: state_rows(table, prompt, sampling))  # a sampler's state follows the output
 
     def rows(prompt: Sequence[int], output: Sequence[int]) -> list[tuple[float, ...]]:
         context = tuple(prompt)
-        if sampling.mirostat_on:
+        if sampling.carries_state:
             return [tuple(along(context)(tuple(output[:m]))) for m in range(len(output))]
         return [row(context + tuple(output[:m])) for m in range(len(output))]
 
@@ -448,6 +449,9 @@ SETTINGS = {
     # surprises and a fast rate, so μ keeps one, two or three of the three tokens
     "mirostat": SamplingSettings(temperature=0.9, mirostat=Mirostat(2, tau=1.2, eta=0.6)),
     "mirostat 1": SamplingSettings(temperature=0.9, mirostat=Mirostat(1, tau=1.2, eta=0.6)),
+    # llama.cpp's adaptive-p after min-p (its advice): each row reshaped at the average its path
+    # reached ("draft adaptive-p", "draft tree adaptive-p"); a short memory, so the average moves
+    "adaptive-p": SamplingSettings(temperature=0.9, min_p=0.15, adaptive_p=AdaptiveP(0.4, decay=0.5)),
 }
 UNSURE = {"top-p": "top-p unsure"}  # the setting a scenario of heads less sure of themselves runs for each
 
@@ -609,6 +613,7 @@ SCENARIOS = {
     "mtp chained": Scenario("mtp", mtp_layers=DRAFT_LEN),
     "mtp chained tree": Scenario("mtp", branches=TREE_BRANCHES, mtp_layers=DRAFT_LEN),
     "draft tree mirostat": Scenario("draft", "mirostat", branches=TREE_BRANCHES),  # each node's μ its parent's
+    "draft tree adaptive-p": Scenario("draft", "adaptive-p", branches=TREE_BRANCHES),
 }
 # Scenarios tests/heads/test_mtp_sampling.py runs over 25,000 windows each (issue: at least 50,000
 # samples for MTP chains and trees), seeds 0 on: the sweep's RUNS are among them, so it skips these.
@@ -887,13 +892,10 @@ def replay_reference(backend, sampling: SamplingSettings) -> Reference:
         sequence.rewind(0)
         fed = [*prompt, *(int(token) for token in output[:-1])]
         logits = sequence.feed(fed, list(range(len(prompt) - 1, len(fed))))
-        if not sampling.mirostat_on:
+        if not sampling.carries_state:
             return [distribution(row, sampling) for row in logits]
-        rows, mu = [], 2.0 * sampling.mirostat.tau  # mirostat's: each row at the μ the output before reached
-        for row, token in zip(logits, output):
-            rows.append(mirostat_distribution(row, sampling, mu))
-            mu = mirostat_moved(mu, sampling, rows[-1], int(token))
-        return rows
+        along = state_rows(lambda context: logits[len(context) - len(prompt)], prompt, sampling)
+        return [along(tuple(int(token) for token in output[:at])) for at in range(len(output))]
 
     return rows
 

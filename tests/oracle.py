@@ -8,16 +8,19 @@ temperature), each followed by renormalising; XTC (before the temperature) the m
 chain run on the tokens kept and on those XTC leaves; a dynamic temperature from the entropy of the
 candidates left at its turn over the log of their count as llama.cpp counts them; temperature 0 is a
 one-hot row at the first largest logit. Mirostat (``mirostat_distribution``) cuts the row at the
-temperature by a μ its text carries: ``mirostat_rows`` follows it along outputs.
+temperature by a μ its text carries, adaptive-p (``adaptive_distribution``) reshapes the chain's row
+by an average its text carries: ``state_rows`` follows either along outputs.
 The exact joint distribution of a continuation, which the statistical tests compare
 against, is built from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from specrun.adaptive_p import AdaptiveP
 from specrun.sampling import SamplingSettings
 
 
@@ -149,20 +152,54 @@ def mirostat_moved(mu: float, settings: SamplingSettings, row: Sequence[float], 
     return mu - settings.mirostat.eta * (-math.log2(row[token]) - settings.mirostat.tau)
 
 
-def mirostat_rows(table: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
-                  settings: SamplingSettings) -> Callable[[tuple[int, ...]], list[float]]:
-    """``row(output)``: mirostat's distribution after ``prompt`` then ``output``, μ from its start
-    (2τ) moved by each token of the output under the row it was drawn from."""
+def adaptive_distribution(logits: Sequence[float], settings: SamplingSettings,
+                          average: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """adaptive-p's row at ``average`` (weighted sum, total weight): the rest of the chain's
+    distribution, and that one reshaped, each candidate at logit 5 - 10 d² / (1 + d),
+    d = |p - t'| / 0.3, t' = 2 t - the average, within [0, 1]."""
+    original = distribution(logits, dataclasses.replace(settings, adaptive_p=AdaptiveP()))
+    cutting = any(name in settings.chain for name in ("top_k", "top_p", "min_p", "typ_p", "top_n_sigma", "xtc", "infill"))
+    # the candidates: those the chain kept, or where nothing cuts every finite logit (llama.cpp's, a
+    # probability float64 holds as 0 among them)
+    candidates = [p > 0.0 if cutting else math.isfinite(float(value)) for p, value in zip(original, logits)]
+    weighted_sum, total_weight = average
+    target = settings.adaptive_p.target
+    adapted = min(1.0, max(0.0, target if total_weight == 0.0 else 2.0 * target - weighted_sum / total_weight))
+    reshaped = []
+    for p, candidate in zip(original, candidates):
+        d = abs(p - adapted) / 0.3
+        reshaped.append(5.0 - 10.0 * d * d / (1.0 + d) if candidate else -math.inf)
+    top = max(reshaped)
+    return original, _normalise([math.exp(value - top) if value > -math.inf else 0.0 for value in reshaped])
+
+
+def state_rows(table: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
+               settings: SamplingSettings) -> Callable[[tuple[int, ...]], list[float]]:
+    """``row(output)``: the distribution after ``prompt`` then ``output`` under a sampler that carries
+    a state along the text, from its start moved by each token of the output: mirostat's μ (from 2τ,
+    by the token's surprise under the row drawn from), adaptive-p's average (from its target, by the
+    token's probability before the reshaping)."""
     import functools
 
     @functools.cache
-    def state(output: tuple[int, ...]) -> tuple[list[float], float]:
+    def state(output: tuple[int, ...]):
+        logits = table(tuple(prompt) + output)
+        if settings.mirostat.on:
+            if not output:
+                mu = 2.0 * settings.mirostat.tau
+            else:
+                parent_row, parent_mu = state(output[:-1])
+                mu = mirostat_moved(parent_mu, settings, parent_row, output[-1])
+            return mirostat_distribution(logits, settings, mu), mu
         if not output:
-            mu = 2.0 * settings.mirostat.tau
+            average = (settings.adaptive_p.target / (1.0 - settings.adaptive_p.decay),
+                       1.0 / (1.0 - settings.adaptive_p.decay))
         else:
-            parent_row, parent_mu = state(output[:-1])
-            mu = mirostat_moved(parent_mu, settings, parent_row, output[-1])
-        return mirostat_distribution(table(tuple(prompt) + output), settings, mu), mu
+            _, (parent_original, parent_average) = state(output[:-1])
+            decay = settings.adaptive_p.decay
+            average = (parent_original[output[-1]] + decay * parent_average[0], 1.0 + decay * parent_average[1])
+        original, row = adaptive_distribution(logits, settings, average)
+        return row, (original, average)
 
     return lambda output: state(tuple(output))[0]
 
@@ -188,8 +225,8 @@ def exact_joint(
     """Probability of every ``n_tokens`` continuation of ``prompt`` under the target's own
     sampling, ``table(context)`` giving the target's logits. Sequences of probability 0
     are listed too (a test must never see them)."""
-    if settings.mirostat.on and settings.temperature > 0.0:  # each row by the μ its text reached
-        row = mirostat_rows(table, prompt, settings)
+    if settings.carries_state:  # each row by the state its text reached (mirostat's μ, adaptive-p's average)
+        row = state_rows(table, prompt, settings)
         return joint_of(lambda context: row(context[len(prompt):]), prompt, n_tokens)
     joint: dict[tuple[int, ...], float] = {}
 

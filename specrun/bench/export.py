@@ -7,7 +7,8 @@ Schema ``specrun.bench/1`` (keys in order):
   the length chosen as it went, draft_len its longest), draft_lens (as asked: empty when
   each method ran as generate runs it), draft_min_prob (as run), sweep, max_new_tokens,
   temperature, top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold,
-  dynatemp_range, dynatemp_exponent, mirostat (its version, tau and eta, or null),
+  dynatemp_range, dynatemp_exponent, mirostat (its version, tau and eta, or null), adaptive_p (its
+  target and decay, or null),
   dry (its multiplier, base, allowed_length, last_n and breakers, or null), samplers (their order), seed, repeat, chat, suite, n_ctx, baseline, timing, tuned (the key of the stored settings the controllers started from, or null),
   tuned_by ("specrun tune", "earlier runs" (learned.json), or null),
   verify (how exact sampled chains were verified: block or token), acceptance ("exact", or a lossy
@@ -126,6 +127,7 @@ def _config(result: BenchResult) -> dict:
         "dynatemp_range": sampling.dynatemp_range,
         "dynatemp_exponent": sampling.dynatemp_exponent,
         "mirostat": sampling.mirostat.fields() if sampling.mirostat_on else None,
+        "adaptive_p": sampling.adaptive_p.fields() if sampling.adaptive_on else None,
         "dry": sampling.dry.fields() if sampling.dry.on else None,
         "samplers": list(sampling.order),
         "seed": sampling.seed,

@@ -186,11 +186,11 @@ def bench(
             raise UsageError("--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default "
                              "order", "drop --native, or --samplers")
         if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0 or sampling.xtc_on
-                       or sampling.dynatemp_on or sampling.mirostat.on):
+                       or sampling.dynatemp_on or sampling.mirostat.on or sampling.adaptive_p.on):
             raise UsageError("--native times llama-cpp-python's own plain loop, which is given temperature, top-k, "
                              "top-p and min-p only",
-                             "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range "
-                             "and --mirostat")
+                             "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range, "
+                             "--mirostat and --adaptive-target")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

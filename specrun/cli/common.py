@@ -477,6 +477,8 @@ class SamplingOptions:
     mirostat: int = 0
     mirostat_lr: float = 0.1
     mirostat_ent: float = 5.0
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -494,6 +496,7 @@ class SamplingOptions:
 def checked_sampling(command: str, options: SamplingOptions) -> SamplingSettings:
     """The sampling options (options.takes_sampling_options) as SamplingSettings, or a usage error
     naming the first bad one."""
+    from specrun.adaptive_p import AdaptiveP
     from specrun.mirostat import Mirostat
     from specrun.penalties import Penalties
     from specrun.sampling import SamplingSettings
@@ -510,7 +513,8 @@ def checked_sampling(command: str, options: SamplingOptions) -> SamplingSettings
                                 dry=_dry(options.dry_multiplier, options.dry_base, options.dry_allowed_length,
                                          options.dry_penalty_last_n, options.dry_sequence_breaker),
                                 dynatemp_range=options.dynatemp_range, dynatemp_exponent=options.dynatemp_exp,
-                                mirostat=Mirostat(options.mirostat, options.mirostat_ent, options.mirostat_lr))
+                                mirostat=Mirostat(options.mirostat, options.mirostat_ent, options.mirostat_lr),
+                                adaptive_p=AdaptiveP(options.adaptive_target, options.adaptive_decay))
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
@@ -528,7 +532,7 @@ def _check_off_under_mirostat(options: SamplingOptions) -> None:
         ("--xtc-probability", options.xtc_probability > 0.0), ("--dynatemp-range", options.dynatemp_range > 0.0),
         ("--repeat-penalty", options.repeat_penalty != 1.0), ("--presence-penalty", options.presence_penalty != 0.0),
         ("--frequency-penalty", options.frequency_penalty != 0.0), ("--dry-multiplier", options.dry_multiplier > 0.0),
-        ("--samplers", options.samplers is not None)) if on]
+        ("--adaptive-target", options.adaptive_target >= 0.0), ("--samplers", options.samplers is not None)) if on]
     if given:
         raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} off under --mirostat, which "
                          "samples as llama.cpp's chain does: the temperature, then mirostat alone",
@@ -572,7 +576,7 @@ def listed_samplers(text: str, sampling: SamplingSettings) -> tuple[str, ...]:
     if "infill" in names:
         raise UsageError("--samplers names infill, llama.cpp's rule for code fills, which a fill request to "
                          "`specrun serve` asks for itself", "leave infill out")
-    on = [] if sampling.greedy else list(sampling.chain)
+    on = [] if sampling.greedy else [*sampling.chain, *(["adaptive_p"] if sampling.adaptive_on else [])]
     shaping = [*(["penalties"] if sampling.penalties.on else []), *(["dry"] if sampling.dry.on else [])]
     missing = [name for name in (*shaping, *on) if name not in names]
     if missing:

@@ -69,6 +69,11 @@ MirostatOpt = Annotated[int, typer.Option(
     "top-p, min-p, the other samplers, the penalties and DRY are off).")]
 MirostatLrOpt = Annotated[float, typer.Option("--mirostat-lr", help="Mirostat's learning rate, eta.")]
 MirostatEntOpt = Annotated[float, typer.Option("--mirostat-ent", help="Mirostat's target surprise, tau, in bits.")]
+AdaptiveTargetOpt = Annotated[float, typer.Option(
+    "--adaptive-target", help="adaptive-p, as llama.cpp's, last: each step favours the tokens near this probability, "
+    "the target adapted to the probabilities the text's tokens had (0 to 1; below 0: off).")]
+AdaptiveDecayOpt = Annotated[float, typer.Option(
+    "--adaptive-decay", help="adaptive-p's decay: its average remembers about 1 / (1 - decay) tokens (0 to 0.99).")]
 DryMultiplierOpt = Annotated[float, typer.Option(
     "--dry-multiplier", help="DRY, as llama.cpp's: tokens that would extend a repeat of the text longer than "
     "--dry-allowed-length lose this times --dry-base to the power of the excess from their logit (0: off).")]
@@ -401,7 +406,8 @@ SAMPLING_OPTIONS = {
     "temp": TempOpt, "top_k": TopKOpt, "top_p": TopPOpt, "min_p": MinPOpt, "typical": TypicalOpt,
     "top_nsigma": TopNSigmaOpt, "xtc_probability": XtcProbabilityOpt, "xtc_threshold": XtcThresholdOpt,
     "dynatemp_range": DynatempRangeOpt, "dynatemp_exp": DynatempExpOpt, "mirostat": MirostatOpt,
-    "mirostat_lr": MirostatLrOpt, "mirostat_ent": MirostatEntOpt, "dry_multiplier": DryMultiplierOpt,
+    "mirostat_lr": MirostatLrOpt, "mirostat_ent": MirostatEntOpt, "adaptive_target": AdaptiveTargetOpt,
+    "adaptive_decay": AdaptiveDecayOpt, "dry_multiplier": DryMultiplierOpt,
     "dry_base": DryBaseOpt, "dry_allowed_length": DryAllowedLengthOpt, "dry_penalty_last_n": DryLastNOpt,
     "dry_sequence_breaker": DryBreakerOpt, "samplers": SamplersOpt, "seed": SeedOpt,
     "repeat_penalty": RepeatPenaltyOpt, "repeat_last_n": RepeatLastNOpt, "presence_penalty": PresencePenaltyOpt,

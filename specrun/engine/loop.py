@@ -30,7 +30,7 @@ from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
 from specrun.reasoning_budget import BUDGET_SOURCE
-from specrun.sampling import SamplingSettings, for_vocabulary, shaped_row, token_logprobs
+from specrun.sampling import SamplingSettings, for_vocabulary, shaped_row, token_logprobs, with_drafting_state
 from specrun.verify import TreeVerdict, Verdict
 
 
@@ -506,11 +506,11 @@ class SpeculativeEngine:
     def _logprob_rows(self, rows: np.ndarray, params: GenerationParams, read: Sequence[int]) -> np.ndarray:
         """A pass's rows as its tokens' log-probabilities read them: as verified (log-softmax at
         temperature 1), or the log of the distribution the settings sample from (``logprobs_sampled``:
-        a token they leave out at -inf, one-hot where greedy; under mirostat the pass's own, rows
-        ``read`` of it, each cut at the μ of its text)."""
+        a token they leave out at -inf, one-hot where greedy; under a sampler that carries a state
+        along the text the pass's own, rows ``read`` of it, each at its text's state)."""
         if not params.logprobs_sampled:
             return rows
-        sampled = (self.passes.last_p_target[list(read)] if params.sampling.mirostat_on
+        sampled = (self.passes.last_p_target[list(read)] if params.sampling.carries_state
                    else self.passes.p_target(rows, params.sampling))
         with np.errstate(divide="ignore"):
             return np.log(sampled)
@@ -578,13 +578,10 @@ class SpeculativeEngine:
         return (forced.followed_by(more), more) if more.tokens else (forced, None)
 
     def _drafting(self, sampling: SamplingSettings) -> SamplingSettings:
-        """The settings drafters draw under: the user's, and under mirostat its μ where the text has
-        taken it (a draft drawn from any row is exact; the text's μ brings the draft's rows nearer
-        the target's, each cut at the μ its own path reaches)."""
-        if not sampling.mirostat_on:
-            return sampling
-        return dataclasses.replace(sampling, mirostat=dataclasses.replace(sampling.mirostat,
-                                                                          mu=self.passes.mirostat_mu))
+        """The settings drafters draw under: the user's, a sampler that carries a state along the text
+        at the state the text reached (a draft drawn from any row is exact; the text's state brings
+        the draft's rows nearer the target's, each at the state its own path reaches)."""
+        return with_drafting_state(sampling, self.passes.text_state) if sampling.carries_state else sampling
 
     def _ask_drafters(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first

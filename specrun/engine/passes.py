@@ -17,9 +17,11 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
-from specrun.mirostat import moved
 from specrun.penalties import AheadShaping, chain_paths, tree_paths
-from specrun.sampling import AheadSampling, SamplingSettings, infill_vocab_of, probabilities, sample, text_shaped_rows
+from specrun.sampling import (
+    AheadSampling, SamplingSettings, chain_probabilities, infill_vocab_of, probabilities, sample, state_moved, state_start,
+    stateful_rows, text_shaped_rows,
+)
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
     verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
@@ -81,11 +83,13 @@ class TargetPasses:
         self._shaping: tuple[SamplingSettings, Sequence[int]] | None = None
         # the last pass's rows before their text shaped them, and the grammar's rows (own_rows)
         self._unshaped: tuple[np.ndarray, np.ndarray | None] | None = None
-        # under mirostat, the μ the text reached (start_text sets it; each token taken moves it) and
-        # the last sampled pass's distributions with each row's μ (None: not mirostat's)
-        self.mirostat_mu = 0.0
+        # the state a sampler carries along the text (mirostat's μ, adaptive-p's average; None: none),
+        # as the text reached it (start_text sets it; each token taken moves it), and the last sampled
+        # pass's distributions, each row's state and its rows before that sampler (for ``took``)
+        self.text_state = None
         self.last_p_target: np.ndarray | None = None
-        self._mus: np.ndarray | None = None
+        self._states: list | None = None
+        self._originals: np.ndarray | None = None
 
     @property
     def verification(self) -> Verification:
@@ -114,58 +118,71 @@ class TargetPasses:
         return logits, keep > 0
 
     def start_text(self, sampling: SamplingSettings) -> None:
-        """A new text begins: mirostat's μ at its start (2τ, as llama.cpp resets it)."""
-        self.mirostat_mu = sampling.mirostat.start
-        self.last_p_target = self._mus = None
+        """A new text begins: the state a sampler carries along it at its start (mirostat's μ at 2τ,
+        adaptive-p's average at its target, as llama.cpp resets them)."""
+        self.text_state = state_start(sampling)
+        self.last_p_target = self._states = self._originals = None
 
     def pick(self, logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
         """One token from a (V,) row of logits under the user's settings."""
         if sampling.greedy:
             return int(logits.argmax())
-        if sampling.mirostat_on:
+        if sampling.carries_state:
             token = sample(self.path_p_target(logits[None], sampling)[0], rng)
             self.took(Verdict(0, token), sampling)
             return token
         return sample(self.p_target(logits, sampling), rng)
 
-    def p_target(self, logits: np.ndarray, sampling: SamplingSettings, mu: float | None = None) -> np.ndarray:
+    def p_target(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
         """The target's distributions (n, V) or (V,) under the user's settings: ``probabilities``,
         llama.cpp's infill rule among them where asked (not greedy). Rejection sampling needs no more
         than the row each draft was drawn from and the target's, so verification stays exact
         against plain decoding under the rule whatever row a drafter draws from (a draft model's
-        follow the rule too, drafters/draft_model.py; heads' do not). ``mu``: under mirostat, the
-        μ these rows are cut at (``path_p_target`` gives each row its own)."""
-        vocab = (infill_vocab_of(self.target.backend, np.shape(logits)[-1])
-                 if sampling.infill and not sampling.greedy and not sampling.mirostat_on else None)
-        return probabilities(logits, sampling, vocab, mu)
+        follow the rule too, drafters/draft_model.py; heads' do not). Under a sampler that carries a
+        state along the text, each row at the text's state (``path_p_target``: each at its path's)."""
+        return probabilities(logits, sampling, self._infill_vocab(logits, sampling), self.text_state)
+
+    def _infill_vocab(self, logits: np.ndarray, sampling: SamplingSettings):
+        if not sampling.infill or sampling.greedy or sampling.mirostat_on:  # mirostat's chain has no infill rule
+            return None
+        return infill_vocab_of(self.target.backend, np.shape(logits)[-1])
 
     def path_p_target(self, logits: np.ndarray, sampling: SamplingSettings, proposal: Proposal | None = None
                       ) -> np.ndarray:
         """A pass's distributions (1 + n, V) under the settings, the root's row first then one a
-        draft: ``p_target``, and under mirostat each row cut at the μ its path reaches, from the
-        text's (``mirostat_mu``) at the root and from its parent's row and draft below it (kept, for
-        ``took``)."""
-        if not sampling.mirostat_on:
+        draft: ``p_target``, and under a sampler that carries a state along the text (mirostat,
+        adaptive-p) each row at the state its path reaches, the text's (``text_state``) at the root,
+        from its parent's row and the draft below it elsewhere (kept, for ``took``)."""
+        if not sampling.carries_state:
             return self.p_target(logits, sampling)
         parents = () if proposal is None or proposal.is_chain else proposal.parents
-        probs = np.empty(np.shape(logits), dtype=np.float64)  # (1 + n, V)
-        mus = np.empty(len(probs))
-        for row in range(len(probs)):
-            if row == 0:
-                mus[0] = self.mirostat_mu
-            else:  # a chain's row follows the row before; a tree's node, its parent's (-1: the root)
+        logits = np.asarray(logits, dtype=np.float64)
+        originals = chain_probabilities(logits, sampling, self._infill_vocab(logits, sampling))  # (1 + n, V)
+        states = [self.text_state]
+        if sampling.mirostat_on:  # each row cut in place, its μ from its parent's cut row
+            for row in range(len(originals)):
+                if row:  # a chain's row follows the row before; a tree's node, its parent's (-1: the root)
+                    parent = row - 1 if not parents else parents[row - 1] + 1
+                    states.append(state_moved(sampling, states[parent], None, originals[parent],
+                                              proposal.tokens[row - 1]))
+                stateful_rows(originals[row:row + 1], sampling, states[row:row + 1], logits[row:row + 1])
+            probs, originals = originals, None
+        else:  # adaptive-p: each row's average from its parent's row before the reshaping, then one reshaping
+            for row in range(1, len(originals)):
                 parent = row - 1 if not parents else parents[row - 1] + 1
-                mus[row] = moved(mus[parent], sampling.mirostat, probs[parent], proposal.tokens[row - 1])
-            probs[row] = self.p_target(logits[row], sampling, mus[row])
-        self.last_p_target, self._mus = probs, mus
+                states.append(state_moved(sampling, states[parent], originals[parent], None, proposal.tokens[row - 1]))
+            probs = stateful_rows(originals, sampling, states, logits)
+        self.last_p_target, self._states, self._originals = probs, states, originals
         return probs
 
     def took(self, verdict: Verdict | TreeVerdict, sampling: SamplingSettings) -> None:
-        """Mirostat's μ after the tokens a verdict kept: the drafts on its path (their rows' μ), then
-        the token after them, drawn from the last kept row."""
-        if sampling.mirostat_on:
+        """The text's state after the tokens a verdict kept: the drafts on its path (their rows'
+        states), then the token after them, drawn from the last kept row."""
+        if sampling.carries_state:
             last = 1 + verdict.path[-1] if verdict.path else 0  # the last kept row
-            self.mirostat_mu = moved(self._mus[last], sampling.mirostat, self.last_p_target[last], verdict.next_token)
+            original = None if self._originals is None else self._originals[last]
+            self.text_state = state_moved(sampling, self._states[last], original, self.last_p_target[last],
+                                          verdict.next_token)
 
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,

@@ -186,8 +186,9 @@ def completion_probabilities(entries: Sequence, post_sampling: bool = False) -> 
 
 def sampler_names(sampling) -> list[str]:
     """The samplers in the order they apply, as llama-server's generation settings list them: the
-    penalties and DRY first (specrun's place for them), then SamplingSettings.samplers."""
-    return ["penalties", "dry", *sampling.samplers]
+    penalties and DRY first (specrun's place for them), then SamplingSettings.samplers, adaptive-p
+    last where on."""
+    return ["penalties", "dry", *sampling.samplers, *(["adaptive_p"] if sampling.adaptive_p.on else [])]
 
 
 def penalty_settings(sampling) -> dict:
@@ -200,9 +201,11 @@ def penalty_settings(sampling) -> dict:
 
 
 def mirostat_settings(sampling) -> dict:
-    """Mirostat as llama-server's generation settings name it (its version 0 where off)."""
-    mirostat = sampling.mirostat
-    return {"mirostat": mirostat.version, "mirostat_tau": mirostat.tau, "mirostat_eta": mirostat.eta}
+    """Mirostat and adaptive-p as llama-server's generation settings name them (mirostat 0 where off,
+    adaptive-p's target below 0)."""
+    mirostat, adaptive = sampling.mirostat, sampling.adaptive_p
+    return {"mirostat": mirostat.version, "mirostat_tau": mirostat.tau, "mirostat_eta": mirostat.eta,
+            "adaptive_target": adaptive.target, "adaptive_decay": adaptive.decay}
 
 
 def template_answer(session, body: dict, defaults: ServeDefaults, n_ctx: int) -> dict:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.dry import MAX_DRY_BASE, MAX_DRY_LENGTH, MAX_DRY_MULTIPLIER, Dry
+from specrun.adaptive_p import MAX_DECAY, AdaptiveP
 from specrun.mirostat import MAX_ETA, MAX_TAU, Mirostat
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import (
-    MAX_DYNATEMP_EXPONENT, MAX_DYNATEMP_RANGE, MAX_SEED, SamplingSettings, listed_order, named_samplers,
+    MAX_DYNATEMP_EXPONENT, MAX_DYNATEMP_RANGE, MAX_SEED, XTC_MAX_THRESHOLD, SamplingSettings, listed_order,
+    named_samplers,
 )
 from specrun.sessions.infill import Fill
 from specrun.sessions.reasoning import REASONING_FORMATS
@@ -42,7 +44,6 @@ _INERT_FIELDS = {
     "n_probs": (0, None),
     "min_keep": (0, 1, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
-    "adaptive_target": (-1, None),  # adaptive-p's target: below 0 it is off, listed or not
 }
 # Fields with no effect on the answer: accepted as any value.
 _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
@@ -52,10 +53,10 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 # its timing extras (t_max_prompt_ms: llama-server does not act on it either)
                 "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse",
                 "t_max_prompt_ms", "timings_per_token",
-                "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
+                "return_progress", "sse_ping_interval", "verbose", "backend_sampling")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma",
                   "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "mirostat",
-                  "mirostat_tau", "mirostat_eta", "dry_multiplier",
+                  "mirostat_tau", "mirostat_eta", "adaptive_target", "adaptive_decay", "dry_multiplier",
                   "dry_base", "dry_allowed_length",
                   "dry_penalty_last_n", "dry_sequence_breakers", "seed", "stop", "stream", "stream_options", "n",
                   "response_format", "grammar", "json_schema", "samplers", "n_indent",
@@ -275,6 +276,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
                                               f"got {dynatemp_range}")
     dynatemp_exponent = _number(body, "dynatemp_exponent", base.dynatemp_exponent)
     mirostat = _parse_mirostat(body, base.mirostat)
+    adaptive_target = _number(body, "adaptive_target", base.adaptive_p.target)
+    adaptive_decay = _number(body, "adaptive_decay", base.adaptive_p.decay)
     given_temperature = temperature  # mirostat's, whatever the list (llama.cpp's chain under it)
     listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
     listed = defaults.samplers if listed is None else listed
@@ -290,6 +293,19 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         dynatemp_range = dynatemp_range if "temperature" in samplers else 0.0
     if mirostat.on:  # llama.cpp's chain: the temperature, then mirostat, whatever the list says
         temperature = given_temperature
+    # adaptive-p: on where its target is 0 or more and the list names it (llama-server's default list
+    # does not); without a list, where the server's own settings have it on
+    adaptive_listed = "adaptive_p" in samplers if samplers is not None else base.adaptive_p.on
+    adaptive = AdaptiveP(float(adaptive_target), float(adaptive_decay))
+    if not adaptive_listed or mirostat.on:
+        adaptive = AdaptiveP(-1.0, float(adaptive_decay))
+    if adaptive.on:  # its ranges read only where on, as llama-server takes any value then
+        _check_range("adaptive_target", adaptive_target, 0.0, 1.0)
+        _check_range("adaptive_decay", adaptive_decay, 0.0, MAX_DECAY)
+        if temperature > 0.0 and xtc_probability > 0.0 and xtc_threshold <= XTC_MAX_THRESHOLD:
+            raise invalid_value("adaptive_target", "adaptive-p beside XTC (xtc_probability) is not supported: its "
+                                                   "average would follow the rows XTC's coin left, which the text "
+                                                   "does not say: send one of them")
     if temperature == 0.0:  # greedy: the argmax (llama-server would sample between 0 and the range)
         dynatemp_range = 0.0
     if dynatemp_range > 0.0:  # read only where on, as llama-server reads it
@@ -353,7 +369,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
                                   top_n_sigma=float(top_n_sigma), xtc_probability=float(xtc_probability),
                                   xtc_threshold=float(xtc_threshold), dry=dry,
                                   dynatemp_range=max(float(dynatemp_range), 0.0),
-                                  dynatemp_exponent=float(dynatemp_exponent), mirostat=mirostat),
+                                  dynatemp_exponent=float(dynatemp_exponent), mirostat=mirostat,
+                                  adaptive_p=adaptive),
         bias_texts=bias_texts,
         ignore_eos=bool(ignore_eos),
         indent=indent,

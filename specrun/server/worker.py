@@ -718,7 +718,7 @@ class PairWorker:
                 top_p=sampling.top_p, grammar=grammar is not None,
                 **{name: value for name, value in sampling.fields().items()
                    if name in ("min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
-                               "dynatemp_range", "dynatemp_exponent", "mirostat", "infill", "samplers", "penalties", "dry",
+                               "dynatemp_range", "dynatemp_exponent", "mirostat", "adaptive_p", "infill", "samplers", "penalties", "dry",
                                "logit_bias", "reasoning_budget")})
         try:
             for event in stream:

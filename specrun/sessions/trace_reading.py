@@ -267,6 +267,12 @@ def _sampled(header: dict) -> str:
     mirostat = _mirostat(header.get("mirostat"))
     if mirostat is not None:
         sampling = dataclasses.replace(sampling, mirostat=mirostat)
+    adaptive = header.get("adaptive_p")  # {target, decay} where on (SamplingSettings.fields)
+    if isinstance(adaptive, dict) and all(isinstance(adaptive.get(name), (int, float)) and not isinstance(
+            adaptive.get(name), bool) and math.isfinite(adaptive.get(name)) for name in ("target", "decay")):
+        from specrun.adaptive_p import AdaptiveP
+
+        sampling = dataclasses.replace(sampling, adaptive_p=AdaptiveP(float(adaptive["target"]), float(adaptive["decay"])))
     for name in ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
                  "dynatemp_exponent"):  # where on (SamplingSettings.fields)
         value = header.get(name)

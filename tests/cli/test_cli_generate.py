@@ -184,6 +184,12 @@ def test_unknown_alias(llama_installed):
         (["--temp", "0.7", "--mirostat", "1", "--mirostat-lr", "nan"], "--mirostat-lr must be between 0 and 1"),
         (["--temp", "0.7", "--mirostat", "2", "--top-k", "40", "--repeat-penalty", "1.1"],
          "--top-k, --repeat-penalty are off under --mirostat, which samples as llama.cpp's chain does"),
+        (["--temp", "0.7", "--adaptive-target", "1.5"], "--adaptive-target must be at most 1 (below 0: off)"),
+        (["--temp", "0.7", "--adaptive-target", "0.5", "--adaptive-decay", "1"], "--adaptive-decay must be between 0 and 0.99"),
+        (["--temp", "0.7", "--adaptive-target", "0.5", "--xtc-probability", "0.5"],
+         "--adaptive-target beside --xtc-probability: adaptive-p's average would follow the rows XTC's coin left"),
+        (["--temp", "0.7", "--adaptive-target", "0.5", "--samplers", "top_k;temperature"],
+         "--samplers leaves out adaptive_p, which the options turn on"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], '--samplers: "mirror" names no sampler'),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06
@@ -527,16 +533,16 @@ def test_a_chain_out_of_order_is_a_usage_error_naming_the_order():
      "drop --native, or --samplers"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--typical", "0.9"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range, --mirostat and --adaptive-target"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--xtc-probability", "0.5"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range, --mirostat and --adaptive-target"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--dynatemp-range", "0.5"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range, --mirostat and --adaptive-target"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--mirostat", "2"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range, --mirostat and --adaptive-target"),
 ])
 def test_samplers_the_command_cannot_apply_as_asked_are_usage_errors(command, args, words, fix):
     assert_one_line_error(invoke(*command, *args), 2, words, fix)

@@ -320,14 +320,14 @@ def _draft_rule():
 
 def _without_the_rule(monkeypatch):
     monkeypatch.setattr(specrun.engine.passes, "probabilities",
-                        lambda logits, sampling, vocab=None, mu=None: probabilities(logits, sampling, None, mu))
+                        lambda logits, sampling, vocab=None, state=None: probabilities(logits, sampling, None, state))
 
 
 def _rule_on_the_drafter_instead(monkeypatch):
     _without_the_rule(monkeypatch)
     rule = _draft_rule()
     monkeypatch.setattr(specrun.drafters.draft_model, "probabilities",
-                        lambda logits, sampling, vocab=None, mu=None: rule(probabilities(logits, sampling, None, mu)))
+                        lambda logits, sampling, vocab=None, state=None: rule(probabilities(logits, sampling, None, state)))
 
 
 def _plain_draft_rows(monkeypatch):

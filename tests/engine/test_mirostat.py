@@ -63,7 +63,7 @@ def test_each_row_keeps_the_tokens_llama_cpp_s_mirostat_keeps_along_the_same_tex
             kept = {candidates.data[i].id: candidates.data[i].p for i in range(candidates.size)
                     if candidates.data[i].p > 0.0}  # a forbidden token stays in llama.cpp's array at 0
             token = candidates.data[candidates.selected].id
-            ours = probabilities(row, settings, mu=mu)
+            ours = probabilities(row, settings, state=mu)
             assert set(np.flatnonzero(ours)) == set(kept)
             assert np.allclose([ours[t] for t in kept], list(kept.values()), atol=1e-5)
             sizes.add(len(kept))
@@ -82,9 +82,9 @@ def test_the_rows_are_the_oracle_s(version):
         settings = SamplingSettings(temperature=float(rng.choice([0.5, 1.0, 1.4])),
                                     mirostat=Mirostat(version, tau=float(rng.choice([0.5, 2.0, 5.0])), eta=0.1))
         mu = float(rng.uniform(-1.0, 8.0))
-        assert np.allclose(probabilities(logits, settings, mu=mu), mirostat_distribution(logits, settings, mu),
+        assert np.allclose(probabilities(logits, settings, state=mu), mirostat_distribution(logits, settings, mu),
                            atol=1e-12)
-        row = probabilities(logits, settings, mu=mu)
+        row = probabilities(logits, settings, state=mu)
         token = int(row.argmax())
         assert moved(mu, settings.mirostat, row, token) == pytest.approx(
             mirostat_moved(mu, settings, row.tolist(), token))
@@ -94,28 +94,28 @@ def test_hand_values():
     """Mirostat 2 at temperature 1 on probabilities 0.5, 0.3, 0.2 (surprises 1, 1.74, 2.32 bits)."""
     logits = np.log([0.5, 0.3, 0.2])
     settings = SamplingSettings(temperature=1.0, mirostat=Mirostat(2, tau=1.0, eta=0.5))
-    assert probabilities(logits, settings, mu=2.0) == pytest.approx([0.625, 0.375, 0.0])  # 2.32 > 2
-    assert probabilities(logits, settings, mu=3.0) == pytest.approx([0.5, 0.3, 0.2])
-    assert probabilities(logits, settings, mu=0.5) == pytest.approx([1.0, 0.0, 0.0])  # none: the likeliest
+    assert probabilities(logits, settings, state=2.0) == pytest.approx([0.625, 0.375, 0.0])  # 2.32 > 2
+    assert probabilities(logits, settings, state=3.0) == pytest.approx([0.5, 0.3, 0.2])
+    assert probabilities(logits, settings, state=0.5) == pytest.approx([1.0, 0.0, 0.0])  # none: the likeliest
     assert probabilities(logits, settings) == pytest.approx([0.625, 0.375, 0.0])  # μ's start: 2τ = 2 bits
-    row = probabilities(logits, settings, mu=2.0)
+    row = probabilities(logits, settings, state=2.0)
     # the token drawn at 0.375 (1.415 bits) moves μ by 0.5 (1 - 1.415)
     assert moved(2.0, settings.mirostat, row, 1) == pytest.approx(2.0 - 0.5 * (-math.log2(0.375) - 1.0))
     assert moved(2.0, settings.mirostat, row, 2) == -math.inf  # a token the row gave nothing
-    assert probabilities(logits, settings, mu=-math.inf) == pytest.approx([1.0, 0.0, 0.0])
+    assert probabilities(logits, settings, state=-math.inf) == pytest.approx([1.0, 0.0, 0.0])
     # mirostat 1 on an even row: its Zipf exponent is 0 and k undefined, so k is 1, and the tokens tied
     # with the likeliest stay (top-k's ties, as specrun's top-k keeps them): every one here
     even = SamplingSettings(temperature=1.0, mirostat=Mirostat(1, tau=3.0, eta=0.1))
-    assert probabilities(np.zeros(4), even, mu=6.0) == pytest.approx([0.25] * 4)
+    assert probabilities(np.zeros(4), even, state=6.0) == pytest.approx([0.25] * 4)
     # and on 0.5, 0.3, 0.2: s = 0.804 from the two ratios (log 5/3 on log 2, log 1.5 on log 1.5), ε = s - 1,
     # k = (ε 2^μ / (1 - 3^-ε))^(1/s): 0.78 at μ 0 (1 kept), 2.83 at 1.5, 10.3 at 3 (every token)
     s_hat = ((math.log(2) * math.log(5 / 3) + math.log(1.5) ** 2) / (math.log(2) ** 2 + math.log(1.5) ** 2))
     k_at = lambda mu: ((s_hat - 1) * 2**mu / (1 - 3 ** -(s_hat - 1))) ** (1 / s_hat)  # noqa: E731
     assert s_hat == pytest.approx(0.804, abs=1e-3)
     assert int(k_at(0.0)) == 0 and int(k_at(1.5)) == 2 and k_at(3.0) > 3
-    assert probabilities(logits, even, mu=0.0) == pytest.approx([1.0, 0.0, 0.0])
-    assert probabilities(logits, even, mu=1.5) == pytest.approx([0.625, 0.375, 0.0])
-    assert probabilities(logits, even, mu=3.0) == pytest.approx([0.5, 0.3, 0.2])
+    assert probabilities(logits, even, state=0.0) == pytest.approx([1.0, 0.0, 0.0])
+    assert probabilities(logits, even, state=1.5) == pytest.approx([0.625, 0.375, 0.0])
+    assert probabilities(logits, even, state=3.0) == pytest.approx([0.5, 0.3, 0.2])
     # greedy settings stay the argmax
     assert probabilities(logits, SamplingSettings(temperature=0.0, mirostat=Mirostat(2))) == pytest.approx([1, 0, 0])
 
@@ -125,7 +125,7 @@ def test_the_other_samplers_are_off_under_it_as_in_llama_cpp_s_chain():
                                 xtc_threshold=0.1, dynatemp_range=0.5, mirostat=Mirostat(2, tau=5.0))
     logits = np.log([0.5, 0.3, 0.2])
     tempered = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
-    assert probabilities(logits, settings, mu=10.0) == pytest.approx(tempered)
+    assert probabilities(logits, settings, state=10.0) == pytest.approx(tempered)
     assert settings.chain == ("temperature",) and not settings.xtc_on and not settings.dynatemp_on
     assert settings.ahead_sampling(lambda: 0.5) is None  # drawn on the host, each row at its μ
     assert settings.describe() == "temperature 0.7, mirostat 2 (τ 5, η 0.1)"
@@ -148,7 +148,7 @@ def test_off_its_target_and_rate_are_not_read():
 
 def _pass_rows(settings: SamplingSettings, mu: float, proposal: Proposal, logits: np.ndarray):
     passes = TargetPasses(None)
-    passes.mirostat_mu = mu
+    passes.text_state = mu
     return passes, passes.path_p_target(logits, settings, proposal)
 
 
@@ -167,7 +167,7 @@ def test_a_pass_s_rows_are_cut_at_the_mu_each_path_reaches_and_the_text_takes_th
                 enumerate((2.0, mu_node0, mu_node1, mu_node2))]
     assert np.allclose(rows, expected)
     passes.took(TreeVerdict((0,), 0), settings)  # node 0 kept, then token 0 from its row
-    assert passes.mirostat_mu == pytest.approx(moved(mu_node0, settings.mirostat, rows[1], 0))
+    assert passes.text_state == pytest.approx(moved(mu_node0, settings.mirostat, rows[1], 0))
     chain = Proposal((1, 0, 2), source="draft")
     _, rows = _pass_rows(settings, 2.0, chain, logits)
     mu = 2.0
@@ -193,7 +193,7 @@ def test_plain_decoding_carries_mu_from_token_to_token_and_a_new_text_starts_ove
         assert row[token] > 0.0
         kept.add(sum(p > 0.0 for p in row))
         mu = mirostat_moved(mu, settings, row, token)
-    assert engine.passes.mirostat_mu == pytest.approx(mu)
+    assert engine.passes.text_state == pytest.approx(mu)
     assert kept >= {1, 2}  # rows cut to one token and to more: μ moved
 
 
@@ -201,7 +201,7 @@ def test_drafters_draw_at_the_mu_the_text_reached():
     """A draft drawn from any row is exact; drawn at the text's μ, the draft's rows are nearer the target's."""
     settings = SamplingSettings(temperature=1.0, mirostat=Mirostat(2, tau=1.0, eta=0.5))
     engine = SpeculativeEngine(FakeBackend(hashed_logits(3, salt=1), 3))
-    engine.passes.mirostat_mu = 0.5
+    engine.passes.text_state = 0.5
     drafting = engine._drafting(settings)
     assert drafting.mirostat == Mirostat(2, 1.0, 0.5, mu=0.5) and drafting.mirostat.fields() == settings.mirostat.fields()
     logits = np.log([0.5, 0.3, 0.2])

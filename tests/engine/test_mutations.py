@@ -29,6 +29,7 @@ from lossless_harness import (
     selected_row_problems,
 )
 from model_factory import perturbed_copy
+from specrun.adaptive_p import AdaptiveP
 from specrun.mirostat import Mirostat
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.drafters.base import Proposal
@@ -157,7 +158,7 @@ TREE_VERIFIERS = {
 # ---- wrong samplers (the signature of specrun.sampling.probabilities) -------------------------
 
 
-def top_p_off_by_one(logits, settings, infill=None, mu=None):
+def top_p_off_by_one(logits, settings, infill=None, state=None):
     """Drops the token that crosses top_p instead of keeping it (llama.cpp's order otherwise: the
     nucleus of the distribution after top-k, then the temperature over it)."""
     full = probabilities(logits, SamplingSettings(1.0, settings.top_k))
@@ -174,53 +175,61 @@ def top_p_off_by_one(logits, settings, infill=None, mu=None):
     return kept[0] if full.ndim == 1 else kept
 
 
-def min_p_ignored(logits, settings, infill=None, mu=None):
-    return probabilities(logits, dataclasses.replace(settings, min_p=0.0), infill, mu)
+def min_p_ignored(logits, settings, infill=None, state=None):
+    return probabilities(logits, dataclasses.replace(settings, min_p=0.0), infill, state)
 
 
-def typical_p_ignored(logits, settings, infill=None, mu=None):
-    return probabilities(logits, dataclasses.replace(settings, typical_p=1.0), infill, mu)
+def typical_p_ignored(logits, settings, infill=None, state=None):
+    return probabilities(logits, dataclasses.replace(settings, typical_p=1.0), infill, state)
 
 
-def top_n_sigma_ignored(logits, settings, infill=None, mu=None):
-    return probabilities(logits, dataclasses.replace(settings, top_n_sigma=0.0), infill, mu)
+def top_n_sigma_ignored(logits, settings, infill=None, state=None):
+    return probabilities(logits, dataclasses.replace(settings, top_n_sigma=0.0), infill, state)
 
 
-def xtc_ignored(logits, settings, infill=None, mu=None):
-    return probabilities(logits, dataclasses.replace(settings, xtc_probability=0.0), infill, mu)
+def xtc_ignored(logits, settings, infill=None, state=None):
+    return probabilities(logits, dataclasses.replace(settings, xtc_probability=0.0), infill, state)
 
 
-def xtc_always(logits, settings, infill=None, mu=None):
+def xtc_always(logits, settings, infill=None, state=None):
     """XTC's coin read as always falling: the cut row, not the mixture."""
     chance = 1.0 if settings.xtc_probability > 0.0 else 0.0
-    return probabilities(logits, dataclasses.replace(settings, xtc_probability=chance), infill, mu)
+    return probabilities(logits, dataclasses.replace(settings, xtc_probability=chance), infill, state)
 
 
-def dynatemp_ignored(logits, settings, infill=None, mu=None):
-    return probabilities(logits, dataclasses.replace(settings, dynatemp_range=0.0), infill, mu)
+def dynatemp_ignored(logits, settings, infill=None, state=None):
+    return probabilities(logits, dataclasses.replace(settings, dynatemp_range=0.0), infill, state)
 
 
-def mirostat_ignored(logits, settings, infill=None, mu=None):
-    return probabilities(logits, dataclasses.replace(settings, mirostat=Mirostat()), infill)
-
-
-def _mirostat_never_moving(patch: pytest.MonkeyPatch) -> None:
-    """Mirostat's μ left where the text began: the tokens taken never move it (a pass's rows still
-    follow their paths)."""
+def _the_text_s_state_never_moving(patch: pytest.MonkeyPatch) -> None:
+    """A sampler's state (mirostat's μ, adaptive-p's average) left where the text began: the tokens
+    taken never move it (a pass's rows still follow their paths)."""
     patch.setattr(specrun.engine.passes.TargetPasses, "took", lambda self, verdict, sampling: None)
 
 
-def _mirostat_rows_at_the_text_s_mu(patch: pytest.MonkeyPatch) -> None:
-    """Every row of a pass cut at the μ the text reached, not at the μ its path of drafts reaches."""
+def _rows_at_the_text_s_state(patch: pytest.MonkeyPatch) -> None:
+    """Every row of a pass at the state the text reached (mirostat's μ, adaptive-p's average), not at
+    the state its path of drafts reaches."""
     along_paths = specrun.engine.passes.TargetPasses.path_p_target
 
     def at_the_text_s(self, logits, sampling, proposal=None):
         probs = along_paths(self, logits, sampling, proposal)
-        if sampling.mirostat_on:
-            probs[...] = self.p_target(logits, sampling, self.mirostat_mu)
+        if sampling.carries_state:
+            probs[...] = self.p_target(logits, sampling)
         return probs
 
     patch.setattr(specrun.engine.passes.TargetPasses, "path_p_target", at_the_text_s)
+
+
+def _ignored(**off) -> Callable[[pytest.MonkeyPatch], None]:
+    """A sampler that carries a state along the text left out (``off``: the settings without it):
+    the target's rows and the draft model's the rest of the chain's."""
+    def install(patch: pytest.MonkeyPatch) -> None:
+        patch.setattr(specrun.engine.passes, "stateful_rows", lambda probs, settings, states, logits: probs)
+        patch.setattr(specrun.drafters.draft_model, "probabilities", lambda logits, settings, infill=None, state=None:
+                      probabilities(logits, dataclasses.replace(settings, **off), infill))
+
+    return install
 
 
 def _dynatemp_counting_every_token(patch: pytest.MonkeyPatch) -> None:
@@ -390,9 +399,12 @@ MUTANTS = [
     Mutant("XTC always", _install_sampler(xtc_always), ("draft xtc",)),
     Mutant("dynamic temperature ignored", _install_sampler(dynatemp_ignored), ("draft dynatemp",)),
     Mutant("dynamic temperature counting every token", _dynatemp_counting_every_token, ("draft dynatemp",)),
-    Mutant("mirostat ignored", _install_sampler(mirostat_ignored), ("draft mirostat",)),
-    Mutant("mirostat's μ never moving", _mirostat_never_moving, ("draft mirostat 1",)),
-    Mutant("mirostat's rows at the text's μ", _mirostat_rows_at_the_text_s_mu, ("draft tree mirostat",)),
+    Mutant("mirostat ignored", _ignored(mirostat=Mirostat()), ("draft mirostat",)),
+    Mutant("mirostat's μ never moving", _the_text_s_state_never_moving, ("draft mirostat 1",)),
+    Mutant("mirostat's rows at the text's μ", _rows_at_the_text_s_state, ("draft tree mirostat",)),
+    Mutant("adaptive-p ignored", _ignored(adaptive_p=AdaptiveP()), ("draft adaptive-p",)),
+    Mutant("adaptive-p's average never moving", _the_text_s_state_never_moving, ("draft tree adaptive-p",)),
+    Mutant("adaptive-p's rows at the text's average", _rows_at_the_text_s_state, ("draft tree adaptive-p",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
     Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row),
            ("greedy draft",)),

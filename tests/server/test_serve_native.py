@@ -17,6 +17,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
 from specrun.penalties import Penalties
 from specrun.dry import Dry
+from specrun.adaptive_p import AdaptiveP
 from specrun.mirostat import Mirostat
 from specrun.sampling import SAMPLER_ORDER, SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
@@ -269,8 +270,18 @@ def test_the_samplers_apply_in_the_order_listed():
     # the penalties and DRY off under it, as in llama.cpp's chain; a bias kept
     shaped, _ = _native({**LLAMA_VIM, "mirostat": 2, "repeat_penalty": 1.3, "samplers": ["penalties", "dry", "top_k"],
                          "dry_multiplier": 0.8, "logit_bias": [[5, -1.0]]})
-    assert not shaped.sampling.penalties.on and not shaped.sampling.dry.on and shaped.sampling.logit_bias == ((5, -1.0),)
+    assert not shaped.sampling.penalties.on and not shaped.sampling.dry.on
+    assert shaped.sampling.logit_bias == ((5, -1.0),)
     assert not _native({**LLAMA_VIM, "mirostat": 1, "temperature": 0})[0].sampling.mirostat_on  # the argmax
+    # adaptive-p: on where its target is 0 or more and the list names it (llama-server's default list
+    # does not); its ranges read only where on
+    adaptive, _ = _native({**LLAMA_VIM, "samplers": ["min_p", "temperature", "adaptive_p"], "min_p": 0.05,
+                           "temperature": 0.8, "adaptive_target": 0.4, "adaptive_decay": 0.8})
+    assert adaptive.sampling.adaptive_p == AdaptiveP(0.4, 0.8) and adaptive.sampling.adaptive_on
+    for fields in ({"adaptive_target": 0.4}, {"samplers": "kt", "adaptive_target": 0.4},
+                   {"samplers": "ka", "adaptive_target": -1, "adaptive_decay": 5}):  # unlisted, off
+        fields["temperature"] = 0.8
+        assert not _native({**LLAMA_VIM, **fields})[0].sampling.adaptive_on
     # DRY: on where its multiplier is above 0 (and listed, where a list is sent), after the penalties
     dry, _ = _native({**LLAMA_VIM, "samplers": ["dry", "top_k", "infill"], "dry_multiplier": 0.8, "dry_base": 0.5,
                       "dry_allowed_length": 3, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", "###"]})
@@ -340,7 +351,10 @@ def test_llama_vscode_s_chat_edit_fields_are_taken():
     ({"samplers": ["top_k", "mirror"]}, "samplers", '"mirror" names no sampler'),
     ({"samplers": "kz"}, "samplers", '"z" names no sampler'),
     ({"samplers": 7}, "samplers", "a list of sampler names"),
-    ({"adaptive_target": 0.5}, "adaptive_target", "not supported"),
+    ({"samplers": ["top_k", "adaptive_p"], "adaptive_target": 1.5}, "adaptive_target", "must be in [0, 1], got 1.5"),
+    ({"samplers": "ka", "adaptive_target": 0.5, "adaptive_decay": 1}, "adaptive_decay", "must be in [0, 0.99], got 1"),
+    ({"samplers": "kxa", "adaptive_target": 0.5, "xtc_probability": 0.5}, "adaptive_target",
+     "adaptive-p beside XTC (xtc_probability) is not supported"),
     ({"response_fields": "content"}, "response_fields", "a list of field paths"),
     ({"model": 5}, "model", "must be a string"),
     ({"mirostat": 3}, "mirostat", "must be 0 (off), 1 or 2, got 3"),

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from specrun.cli.app import app
 from specrun.dry import Dry
+from specrun.adaptive_p import AdaptiveP
 from specrun.mirostat import Mirostat
 from specrun.errors import FileAccessError
 from specrun.sampling import SamplingSettings
@@ -221,7 +222,14 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", **miro.fields()},
                  step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])
-    assert told.stdout.splitlines()[0] == "run: ?, method draft, sampled at temperature 0.8, mirostat 2 (τ 4, η 0.2), seed 3"
+    assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.8, mirostat 2 (τ 4, η 0.2), "
+                                           "seed 3")
+    adaptive = SamplingSettings(0.8, min_p=0.05, adaptive_p=AdaptiveP(0.4, 0.8))
+    write(path, [{"trace": "specrun", "version": 1, "method": "draft", **adaptive.fields()},
+                 step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.8, min-p 0.05, "
+                                           "adaptive-p 0.4 (decay 0.8)")
     # a header from before llama.cpp's order (none named) sampled with the temperature first
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", "temperature": 0.7, "top_p": 0.9},
                  step(1, "prefill", 0, 0, policy(True))])
