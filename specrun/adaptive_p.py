@@ -71,13 +71,14 @@ def reshaped(probs: np.ndarray, adaptive: AdaptiveP, states: np.ndarray, candida
     sums, weights = states[:, 0], states[:, 1]
     with np.errstate(divide="ignore", invalid="ignore"):
         adapted = np.where(weights == 0.0, adaptive.target, 2.0 * adaptive.target - sums / weights)
-    adapted = np.clip(adapted, 0.0, 1.0)[:, None]  # (n, 1)
-    distance = np.abs(probs - adapted) / WIDTH
-    logits = PEAK_LOGIT - SHARPNESS * distance * distance / (1.0 + distance)
-    logits[~candidates] = -np.inf  # the tokens the chain left out stay out
-    logits -= logits.max(axis=-1, keepdims=True)
-    out = np.exp(logits)
-    out /= out.sum(axis=-1, keepdims=True)
+    adapted = np.clip(adapted, 0.0, 1.0)
+    out = np.zeros_like(probs)
+    for row, kept, target, shaped in zip(probs, candidates, adapted, out):
+        taken = np.flatnonzero(kept)  # the candidates alone: after a truncation, a few of a vocabulary
+        distance = np.abs(row[taken] - target) / WIDTH
+        logits = PEAK_LOGIT - SHARPNESS * distance * distance / (1.0 + distance)
+        weights = np.exp(logits - logits.max())
+        shaped[taken] = weights / weights.sum()
     return out
 
 

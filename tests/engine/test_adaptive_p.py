@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from oracle import adaptive_distribution, state_rows
+from oracle import adaptive_distribution
 from specrun.adaptive_p import AdaptiveP, moved
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import TargetPasses
-from specrun.engine.stats import Stats
 from specrun.mirostat import Mirostat
 from specrun.sampling import SamplingSettings, chain_probabilities, probabilities
 from specrun.verify import TreeVerdict
@@ -135,29 +134,6 @@ def test_a_pass_s_rows_take_the_average_each_path_reaches():
         assert np.allclose(rows[row], adaptive_distribution(logits[row], settings, average)[1])
     passes.took(TreeVerdict((0, 2), 1), settings)  # nodes 0 and 2 kept, then token 1 from node 2's row
     assert passes.text_state == pytest.approx(moved(at_node2, settings.adaptive_p, originals[3], 1))
-
-
-@pytest.mark.parametrize("scenario", ["draft adaptive-p", "draft tree adaptive-p"])
-def test_sampled_log_probabilities_are_each_token_s_row_at_its_average(scenario):
-    """A request's log-probabilities after the settings: each emitted token's under its row reshaped at
-    the average its text reached (the oracle's ``state_rows``), the prefill's token's too, drafts
-    kept or not: the sweep's windows of three tokens see little of the average a prefill misses."""
-    from lossless_harness import PROMPT, SCENARIOS, SETTINGS, _target_table, fake_engine
-
-    engine, table = fake_engine(SCENARIOS[scenario]), _target_table(SCENARIOS[scenario].vocab)
-    settings = SETTINGS[SCENARIOS[scenario].setting]
-    along = state_rows(table, PROMPT, settings)
-    checked = 0
-    for seed in range(12):
-        params = GenerationParams(max_new_tokens=8, draft_len=4, sampling=dataclasses.replace(settings, seed=seed),
-                                  stop_at_eos=False, logprobs=2, logprobs_sampled=True)
-        logprobs = [entry for step in engine.steps(PROMPT, params, Stats()) for entry in step.logprobs]
-        output = tuple(engine.last_context[len(PROMPT):])
-        for at, token in enumerate(output):
-            assert logprobs[at].token == token
-            assert math.exp(logprobs[at].logprob) == pytest.approx(along(output[:at])[token])
-            checked += 1
-    assert checked == 12 * 8
 
 
 def test_plain_decoding_carries_the_average_from_token_to_token():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from oracle import mirostat_distribution, mirostat_moved
+from oracle import mirostat_distribution, mirostat_moved, state_rows
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
@@ -210,25 +210,26 @@ def test_drafters_draw_at_the_mu_the_text_reached():
     assert engine._drafting(SamplingSettings(temperature=1.0)) == SamplingSettings(temperature=1.0)
 
 
-@pytest.mark.parametrize("scenario", ["draft mirostat", "draft tree mirostat"])
-def test_sampled_log_probabilities_are_each_token_s_row_at_its_mu(scenario):
+@pytest.mark.parametrize("scenario", ["draft mirostat", "draft tree mirostat", "draft adaptive-p",
+                                      "draft tree adaptive-p"])
+def test_sampled_log_probabilities_are_each_token_s_row_at_its_text_s_state(scenario):
     """A request's log-probabilities after the settings (llama-server's post_sampling_probs): each
-    emitted token's under its row cut at the μ its text reached, the prefill's token's too, drafts
-    kept or not."""
+    emitted token's under its row at the state its text reached (mirostat's μ, adaptive-p's average:
+    the oracle's ``state_rows``), the prefill's token's too, drafts kept or not (the sweep's windows
+    of three tokens see little of a state the prefill's token did not move)."""
     from lossless_harness import PROMPT, SCENARIOS, SETTINGS, _target_table, fake_engine
 
     engine, table = fake_engine(SCENARIOS[scenario]), _target_table(SCENARIOS[scenario].vocab)
     settings = SETTINGS[SCENARIOS[scenario].setting]
+    along = state_rows(table, PROMPT, settings)
     checked = 0
     for seed in range(12):
         params = GenerationParams(max_new_tokens=8, draft_len=4, sampling=dataclasses.replace(settings, seed=seed),
                                   stop_at_eos=False, logprobs=2, logprobs_sampled=True)
         logprobs = [entry for step in engine.steps(PROMPT, params, Stats()) for entry in step.logprobs]
         output = tuple(engine.last_context[len(PROMPT):])
-        mu = settings.mirostat.start
         for at, token in enumerate(output):
-            row = mirostat_distribution(table(PROMPT + output[:at]), settings, mu)
-            assert logprobs[at].token == token and math.exp(logprobs[at].logprob) == pytest.approx(row[token])
-            mu = mirostat_moved(mu, settings, row, token)
+            assert logprobs[at].token == token
+            assert math.exp(logprobs[at].logprob) == pytest.approx(along(output[:at])[token])
             checked += 1
     assert checked == 12 * 8
