@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from specrun.dry import Dry, dry_penalties, resolved
 from specrun import adaptive_p, mirostat
 from specrun.adaptive_p import AdaptiveP
+from specrun.dry import Dry, dry_penalties, resolved
 from specrun.mirostat import Mirostat
 from specrun.penalties import MAX_BIAS, AheadShaping, Penalties, shaped_rows
 from specrun.reasoning_budget import ReasoningBudget, forced_rows
