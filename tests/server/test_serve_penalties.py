@@ -181,3 +181,23 @@ def test_a_bias_on_a_token_the_target_lacks_stops_the_server_starting():
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "--logit-bias names token 99999999" in lines[0], done.stderr
+
+
+def test_mirostat_and_adaptive_p_are_served_and_said_in_llama_server_s_settings(demo_server):
+    """The samplers that carry a state along the text, through the server: answered, told in the
+    answer's settings as llama-server tells them; a bad version a 400, and the server serves on."""
+    status, body = demo_server.post("/completion", {"prompt": "def main(", "n_predict": 24, "temperature": 0.8,
+                                                    "seed": 1, "mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2})
+    assert status == 200 and body["tokens_predicted"] == 24, body
+    settings = body["generation_settings"]
+    assert (settings["mirostat"], settings["mirostat_tau"], settings["mirostat_eta"]) == (2, 4.0, 0.2)
+    status, body = demo_server.post("/completion", {
+        "prompt": "def main(", "n_predict": 24, "temperature": 0.8, "seed": 1, "min_p": 0.05,
+        "samplers": ["min_p", "temperature", "adaptive_p"], "adaptive_target": 0.4, "adaptive_decay": 0.8})
+    assert status == 200 and body["tokens_predicted"] == 24, body
+    settings = body["generation_settings"]
+    assert (settings["adaptive_target"], settings["adaptive_decay"]) == (0.4, 0.8)
+    assert settings["samplers"][-1] == "adaptive_p"
+    assert_refused(demo_server, "/completion", {"prompt": "hi", "mirostat": 3}, "mirostat", "invalid_value")
+    status, body = demo_server.post("/completion", {"prompt": "def main(", "n_predict": 4})
+    assert status == 200, body
