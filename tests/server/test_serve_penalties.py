@@ -186,14 +186,17 @@ def test_a_bias_on_a_token_the_target_lacks_stops_the_server_starting():
 def test_mirostat_and_adaptive_p_are_served_and_said_in_llama_server_s_settings(demo_server):
     """The samplers that carry a state along the text, through the server: answered, told in the
     answer's settings as llama-server tells them; a bad version a 400, and the server serves on."""
+    # ignore_eos: a sampled answer (whose draws follow the drafts' lengths, the clock's) may end early
     status, body = demo_server.post("/completion", {"prompt": "def main(", "n_predict": 24, "temperature": 0.8,
-                                                    "seed": 1, "mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2})
+                                                    "seed": 1, "mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2,
+                                                    "ignore_eos": True})
     assert status == 200 and body["tokens_predicted"] == 24, body
     settings = body["generation_settings"]
     assert (settings["mirostat"], settings["mirostat_tau"], settings["mirostat_eta"]) == (2, 4.0, 0.2)
     status, body = demo_server.post("/completion", {
         "prompt": "def main(", "n_predict": 24, "temperature": 0.8, "seed": 1, "min_p": 0.05,
-        "samplers": ["min_p", "temperature", "adaptive_p"], "adaptive_target": 0.4, "adaptive_decay": 0.8})
+        "samplers": ["min_p", "temperature", "adaptive_p"], "adaptive_target": 0.4, "adaptive_decay": 0.8,
+        "ignore_eos": True})
     assert status == 200 and body["tokens_predicted"] == 24, body
     settings = body["generation_settings"]
     assert (settings["adaptive_target"], settings["adaptive_decay"]) == (0.4, 0.8)
