@@ -149,8 +149,12 @@ class GrammarSpec:
     text: str = ""
     # A reasoning model's thinking before what the grammar holds: (opening tag, closing tag,
     # opened) as llguidance items (a tag's text quoted, a control token as <[id]>); ``opened``:
-    # the prompt opened the block (else the answer may open one first). None: no thinking.
-    thought: tuple[str, str, bool] | None = None
+    # the prompt opened the block (else the answer may open one first); then, where the answer's
+    # message has a header before it (gpt-oss's final channel), the header's items ("": none).
+    # None: no thinking.
+    thought: tuple[str, str, bool] | tuple[str, str, bool, str] | None = None
+    # The grammar writes its message's header itself (gpt-oss's tool calls): none is put before it.
+    headed: bool = False
 
     def llguidance_grammar(self) -> str:
         """The spec as llguidance's grammar, or GrammarError naming the problem."""
@@ -196,11 +200,13 @@ class GrammarSpec:
             raise _refused(self, problem)
 
 
-def _after_thought(grammar: str, opening: str, closing: str, opened: bool) -> str:
+def _after_thought(grammar: str, opening: str, closing: str, opened: bool, header: str = "") -> str:
     """``grammar`` (llguidance's text: Lark, or its JSON of grammars) after a thinking block of
     any text: one the prompt opened, ended by the first closing tag, or (``opened`` false) one
-    the answer may open first; whitespace may follow it. The closing tag ends the block's text
-    lazily (a stop string), or, a control token without text, is the item after it."""
+    the answer may open first; whitespace may follow it, then ``header`` (llguidance items: the
+    answer's message header, gpt-oss's final channel). The closing tag ends the block's text
+    lazily (a suffix: unlike a stop string, llguidance rolls it back when a draft is rejected),
+    or, a control token without text, is the item after it."""
     top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
     grammars = [dict(entry) for entry in top["grammars"]]
     answer = grammars[0].get("name") or "answer"
@@ -208,10 +214,10 @@ def _after_thought(grammar: str, opening: str, closing: str, opened: bool) -> st
     if closing.startswith("<["):
         thought = f"thought: THOUGHT {closing}\nTHOUGHT: /(?s:.*)/\n"
     else:
-        thought = f"thought[stop={closing}]: /(?s:.*)/\n"
+        thought = f"thought[suffix={closing}]: /(?s:.*)/\n"
     block = "thought" if opened else f"({opening} thought)?"
     # at most a blank line between (a small model left free wrote whitespace to max_tokens)
-    start = f"start: {block} GAP? @{answer}\nGAP: /[ \\t]{{0,4}}(\\r?\\n){{1,2}}/\n{thought}"
+    start = f"start: {block} GAP? {header} @{answer}\nGAP: /[ \\t]{{0,4}}(\\r?\\n){{1,2}}/\n{thought}"
     return json.dumps({**top, "grammars": [{"lark_grammar": start}, *grammars]})
 
 

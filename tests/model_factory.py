@@ -199,6 +199,33 @@ def build_thinking_model(folder: Path, seed: int = 3) -> TinyModel:
     return build_model_with_specials(folder, THINK_TOKENS, seed, "thinking", THINKING_TEMPLATE)
 
 
+# gpt-oss's harmony format as its template writes it (specrun/sessions/harmony.py), cut down: the
+# tools named in a developer message, an earlier call's thinking given back in ``thinking``, calls as
+# messages to functions.NAME, results as the function's message, the generation prompt
+# "<|start|>assistant" (the model writes its channels)
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n{%- for tool in tools %}\n{{ tool.function.name }}"
+    "{%- endfor %}<|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'system' %}<|start|>{{ message.role }}<|message|>"
+    "{{ message.content }}<|end|>"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- if message.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{%- endif %}<|start|>assistant to=functions.{{ message.tool_calls[0].function.name }}<|channel|>commentary "
+    "json<|message|>{{ message.tool_calls[0].function.arguments | tojson }}<|call|>"
+    "{%- elif message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'tool' %}<|start|>functions.result to=assistant<|channel|>commentary<|message|>"
+    "{{ message.content | tojson }}<|end|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+def build_harmony_model(folder: Path, seed: int = 3) -> TinyModel:
+    """The tiny llama with harmony's markers as tokens 512-518 (HARMONY_TOKENS) and HARMONY_TEMPLATE."""
+    return build_model_with_specials(folder, HARMONY_TOKENS, seed, "harmony", HARMONY_TEMPLATE)
+
+
 def build_model_with_specials(folder: Path, added: tuple[str, ...], seed: int = 3, name: str = "specials",
                               template: str = DEMO_CHAT_TEMPLATE) -> TinyModel:
     """The tiny llama with the special tokens ``added`` to its vocabulary (ids 512 on), as F16 and

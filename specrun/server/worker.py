@@ -52,7 +52,7 @@ from specrun.server.requests import (
 )
 from specrun.sessions.reasoning import (
     ReasoningSplit, ThinkingTokens, budget_rule, closes_thinking, forbidden_forced, generation_prompt,
-    grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    grammar_after_thinking, opens_thinking, reasoning_split, shown_tags, thinking_tags,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -796,7 +796,7 @@ class PairWorker:
         if grammar is not None and grammar.spec.thought is None:
             return None
         tags = thinking_tags(self.session.template)
-        return None if tags is None else ReasoningSplit(tags, job.opens_thinking)
+        return None if tags is None else reasoning_split(tags, job.opens_thinking)
 
     def _thinking_tokens(self, job: Job) -> ThinkingTokens | None:
         """What counts a chat answer's thinking tokens (usage's reasoning_tokens), whatever the
@@ -936,7 +936,8 @@ class PairWorker:
                 if forbids(request.sampling.logit_bias, request.bias_texts):
                     raise invalid_value("logit_bias", "a bias of false (never) beside a required tool call could forbid "
                                                       "every token its grammar allows: give finite biases")
-                spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+                spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls,
+                                             self.session.target)
             if spec is None:
                 return None
             tags = thinking_tags(self.session.template) if request.is_chat else None

@@ -82,7 +82,7 @@ from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
 from specrun.sessions.reasoning import (
     ReasoningSplit, budget_rule, check_forced_allowed, generation_prompt, grammar_after_thinking, opens_thinking,
-    shown_tags, thinking_tags,
+    reasoning_split, shown_tags, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -387,7 +387,7 @@ class ChatSession:
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target, self._shown_tags)
         # a reasoning model's thinking read apart (not under a grammar that holds the answer from its first token)
-        split = ReasoningSplit(self.thinking, self._opened_thinking) if self.thinking is not None and (
+        split = reasoning_split(self.thinking, self._opened_thinking) if self.thinking is not None and (
             params.grammar is None or params.grammar.spec.thought is not None) else None
         result: GenerationResult | None = None
         read: dict[bool, list[str]] = {True: [], False: []}  # the thinking's pieces, and the answer's
@@ -414,7 +414,10 @@ class ChatSession:
         names = [tool.name for tool in self.tools]
         calls, call_cut = (style_for(self.template).read_answer(answer, names, result.finish_reason in CUT_REASONS)
                            if self.tools else ((), False))
-        cut, rendered = self._cut_answer(messages, answer, names, calls) if call_cut else (None, None)
+        # a call cut off, or calls whose text is not what the template writes back (gpt-oss's): the
+        # transcript keeps them as a client sends them back
+        kept_apart = call_cut or (calls and style_for(self.template).name == "harmony")
+        cut, rendered = self._cut_answer(messages, answer, names, calls) if kept_apart else (None, None)
         if split is not None and answer != result.text:  # kept as a client sends it back: the template
             # writes the thinking (or drops it) as it does
             cut = {**(cut or {"role": "assistant", "content": answer}), **({"reasoning_content": thought} if thought
@@ -456,7 +459,7 @@ class ChatSession:
         """The grammar of a call in the model's format to the tools ``tool_choice`` allows, after the
         thinking of a reasoning model (``opened_thinking``: its prompt opened the block); compiled once."""
         if self._call_grammar.get(opened_thinking) is None:
-            spec = style_for(self.template).grammar(self.tools, self.tool_choice)
+            spec = style_for(self.template).grammar(self.tools, self.tool_choice, backend=self.target)
             if self.thinking is not None:
                 spec = grammar_after_thinking(spec, self.target, self.thinking, opened_thinking)
             self._call_grammar[opened_thinking] = Grammar.compile(spec, self.target)

@@ -89,7 +89,7 @@ def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpe
     text, spans = render_conversation(template, [{"role": "user", "content": request.prompt}], offered)
     grammar = request.grammar
     if request.tool_choice.forces_a_call:
-        grammar = style_for(template).grammar(request.tools, request.tool_choice)
+        grammar = style_for(template).grammar(request.tools, request.tool_choice, backend=target)
     return tokenize_rendered(target, template, text, spans), grammar
 
 

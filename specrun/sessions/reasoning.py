@@ -29,10 +29,12 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from specrun.grammar import GrammarSpec
+from specrun.sessions import harmony
 from specrun.sessions.templates import ChatTemplate
 
 # llama-server's reasoning formats: "none" leaves the thinking in the content as generated;
@@ -42,16 +44,22 @@ REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 
 @dataclass(frozen=True)
 class ThinkTags:
-    """The text that opens a model's thinking and the text that closes it."""
+    """The text that opens a model's thinking and the text that closes it; ``harmony``: gpt-oss's
+    channels (sessions/harmony.py), whose thinking is the analysis channel's body."""
 
     start: str
     end: str
+    harmony: bool = False
+
+
+# gpt-oss: its first analysis message, as llama.cpp reads its thinking (common/parsers/gpt-oss.cpp)
+HARMONY_TAGS = ThinkTags(harmony.THINKING_START, harmony.END, harmony=True)
 
 
 # The spellings llama.cpp's chat parsers read (common/chat.cpp, common/parsers/): Qwen3, QwQ,
 # DeepSeek-R1/V3.1, GLM-4.5+, Kimi, MiniMax, LFM2, SmolLM3 and most others write the first;
 # Seed-OSS, Magistral/Ministral 3, Command A Reasoning, MiniMax M3 and Gemma 4 their own.
-# gpt-oss's harmony channels are not tags around a block and are not read apart.
+# gpt-oss's harmony channels are read by sessions/harmony.py (HARMONY_TAGS).
 THINK_TAGS = (
     ThinkTags("<seed:think>", "</seed:think>"),
     ThinkTags("<mm:think>", "</mm:think>"),
@@ -68,6 +76,8 @@ def thinking_tags(template: ChatTemplate) -> ThinkTags | None:
     DeepSeek-R1's first ones did, while the model opens the block itself). None: no thinking."""
     if template.is_fallback:
         return None
+    if harmony.is_harmony(template.source):
+        return HARMONY_TAGS
     for tags in THINK_TAGS:
         if tags.end in template.source:
             return tags
@@ -181,6 +191,12 @@ class ReasoningSplit:
         return "", held.lstrip() if self._state == "after" else held
 
 
+def reasoning_split(tags: ThinkTags, open: bool = False) -> ReasoningSplit | harmony.HarmonySplit:
+    """What reads an answer's thinking apart from it: ``ReasoningSplit``, or gpt-oss's channels read
+    by ``harmony.HarmonySplit`` (the same interface)."""
+    return harmony.HarmonySplit() if tags.harmony else ReasoningSplit(tags, open)
+
+
 class ThinkingTokens:
     """How many of an answer's tokens are its thinking (OpenAI's ``reasoning_tokens``), counted as
     they come from their texts: the block's tokens up to and including the one that completes its
@@ -230,7 +246,7 @@ def split_reasoning(text: str, tags: ThinkTags | None, open: bool = False) -> tu
     """A whole answer as (thinking, answer) (``ReasoningSplit``); no tags: ("", text)."""
     if tags is None:
         return "", text
-    split = ReasoningSplit(tags, open)
+    split = reasoning_split(tags, open)
     fed, held = split.feed(text), split.finish()
     return fed[0] + held[0], fed[1] + held[1]
 
@@ -239,23 +255,46 @@ def grammar_after_thinking(spec: GrammarSpec, backend, tags: ThinkTags, opened: 
     """``spec`` held after a thinking block (``GrammarSpec.thought``): where the prompt opened
     one, the grammar lets the model think before the answer it holds, as llama.cpp's lazy grammars
     do; else the answer may open one first. Each tag is its text, or its control token by id
-    where it is one token without text."""
-    return dataclasses.replace(spec, thought=(_grammar_item(backend, tags.start), _grammar_item(backend, tags.end),
-                                              opened))
+    where it is one token without text. Under gpt-oss's channels the answer is the final
+    channel's body: its header comes first (after the thinking, its own message's start), unless
+    the grammar writes its message's header itself (``GrammarSpec.headed``: a call's)."""
+    header = ""
+    if tags.harmony and not spec.headed:
+        header = f"({grammar_items(backend, HARMONY_ASSISTANT)})? {grammar_items(backend, HARMONY_FINAL)}"
+    return dataclasses.replace(spec, thought=(grammar_items(backend, tags.start), grammar_items(backend, tags.end),
+                                              opened, header))
 
 
-def _grammar_item(backend, tag: str) -> str:
-    ids = backend.tokenize(tag, add_bos=False, special=True)
-    if len(ids) == 1 and not backend.token_bytes(ids[0]):
-        return f"<[{ids[0]}]>"
-    return json.dumps(tag)
+HARMONY_ASSISTANT = "<|start|>assistant"  # a message of the answer's after the first
+HARMONY_FINAL = "<|channel|>final<|message|>"
+_CONTROL_NAME = re.compile(r"(<\|[A-Za-z_]+\|>)")
+
+
+def grammar_items(backend, text: str) -> str:
+    """``text`` as llguidance items: its ``<|name|>`` parts that are control tokens (one token
+    without text) by id (``<[id]>``), the rest quoted text."""
+    items = []
+    for part in _CONTROL_NAME.split(text):
+        if not part:
+            continue
+        ids = backend.tokenize(part, add_bos=False, special=True)
+        if len(ids) == 1 and not backend.token_bytes(ids[0]):
+            items.append(f"<[{ids[0]}]>")
+        elif items and items[-1].startswith('"'):  # text beside text: one string
+            items[-1] = json.dumps(json.loads(items[-1]) + part)
+        else:
+            items.append(json.dumps(part))
+    return " ".join(items)
 
 
 def shown_tags(backend, tags: ThinkTags | None) -> dict[int, bytes]:
     """The tags that are control tokens (no text of their own), with the text the answer shows
-    for them, so that the thinking can be read apart in the text (llama.cpp's preserved tokens)."""
+    for them, so that the thinking can be read apart in the text (llama.cpp's preserved tokens);
+    under gpt-oss's channels, every marker its messages are read by (``harmony.MARKERS``)."""
+    if tags is None:
+        return {}
     shown = {}
-    for tag in (tags.start, tags.end) if tags is not None else ():
+    for tag in harmony.MARKERS if tags.harmony else (tags.start, tags.end):
         ids = backend.tokenize(tag, add_bos=False, special=True)
         if len(ids) == 1 and not backend.token_bytes(ids[0]):
             shown[ids[0]] = tag.encode("utf-8")

@@ -16,7 +16,8 @@ format forces for free.
 Formats read (``STYLES``): Hermes/Qwen ``<tool_call>`` JSON; Llama 3's bare JSON object
 (``{"name": ..., "parameters": ...}``, after ``<|python_tag|>`` where the model writes it);
 Mistral's ``[TOOL_CALLS]`` JSON list; Python calls with literal keyword arguments, in a list or a
-```` ```tool_code ```` block (read with ``ast``, never run). Control tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) have
+```` ```tool_code ```` block (read with ``ast``, never run); gpt-oss's harmony messages to
+``functions.NAME`` (sessions/harmony.py). Control tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) have
 no text, so a call may also begin the answer without them.
 """
 
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 
 from specrun.errors import ChatTemplateError, UsageError
 from specrun.grammar import GrammarError, GrammarSpec
+from specrun.sessions.harmony import CALL_OPENER, MESSAGE, harmony_messages, is_harmony
+from specrun.sessions.reasoning import HARMONY_ASSISTANT, grammar_items
 from specrun.sessions.templates import ChatTemplate, render_with_spans
 
 
@@ -370,7 +373,8 @@ class ToolStyle:
             return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
         return f"call_{uuid.uuid4().hex[:24]}"
 
-    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False,
+                backend=None) -> GrammarSpec:
         """A grammar whose every text is a call in this style (one or more where ``parallel``), to
         the functions ``choice`` allows, each one's arguments following its schema. One call by
         default, as llama-server does: a small model told it may call again calls again until
@@ -695,7 +699,8 @@ class PythonicStyle(ToolStyle):
         calls, _ = _python_calls_before_cut(blocks[-1].group(1).rstrip("`"))
         return (content.strip(), whole + calls, True) if whole + calls else (text, [], True)
 
-    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False,
+                backend=None) -> GrammarSpec:
         """A list of calls in Python: each function's keyword arguments in its schema's order,
         the required ones always, each value JSON following its property's schema (which the
         reader takes as Python). Names must be Python's: GrammarError otherwise."""
@@ -782,11 +787,62 @@ def _keyword_rules(prefix: str, schema: dict, rules: list[str]) -> str:
     return f"{prefix}_f0?" if nothing_required else f"{prefix}_f0"
 
 
+# a harmony call's recipient, as HarmonySplit writes it into the answer (or the raw header has it)
+HARMONY_CALL = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
+# what may stand before a raw harmony call's recipient: its message's start and channel (markup)
+HARMONY_HEADER_TAIL = re.compile(r"(?:<\|end\|>)?\s*(?:<\|start\|>assistant)?\s*(?:<\|channel\|>\w*)?\s*\Z")
+
+
+@dataclass(frozen=True)
+class HarmonyStyle(ToolStyle):
+    """gpt-oss's calls (sessions/harmony.py): a message to ``functions.NAME`` whose body is the
+    arguments' JSON, one call an answer (``<|call|>`` ends it). Read in the answer as HarmonySplit
+    writes it (``to=functions.NAME<|message|>{...}``) or as generated (reasoning_format "none")."""
+
+    def _read(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls, inside = self._read_cut(text)
+        return (content, calls) if calls and not inside else (text, [])
+
+    def _read_cut(self, text: str) -> tuple[str, list[ToolCall], bool]:
+        found = HARMONY_CALL.search(text)
+        if found is None:
+            return text, [], False
+        content = HARMONY_HEADER_TAIL.sub("", text[: found.start()]).strip()
+        body_at = text.find(MESSAGE, found.end())
+        if body_at < 0:
+            return content, [], True  # cut inside the call's header
+        values, inside = _values_before_cut(text[body_at + len(MESSAGE):].strip())
+        call = _call_of({"name": found.group(1), "arguments": values[0]}) if values else None
+        if call is None or len(values) > 1:
+            return (content, [], True) if inside and not values else (text, [], False)
+        return content, [call], False
+
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False,
+                backend=None) -> GrammarSpec:
+        """One call (harmony writes one a message; ``<|call|>`` ends the answer), its header as the
+        model's own template writes calls back: `` to=functions.NAME<|channel|>commentary
+        json<|message|>`` after the answer's own message start, the arguments following their
+        schema. The markers are control tokens by id where ``backend``'s are (MLX's), else text
+        (llama.cpp renders gpt-oss's as text)."""
+        def items(text: str) -> str:
+            return grammar_items(backend, text) if backend is not None else json.dumps(text)
+
+        allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
+        calls = " | ".join(f"{items(f' to=functions.{tool.name}<|channel|>commentary json<|message|>')} "
+                           f"%json {json.dumps(self._arguments_schema(tool))}" for tool in allowed)
+        return GrammarSpec("lark", f"start: ({items(HARMONY_ASSISTANT)})? call\ncall: {calls}\n", headed=True)
+
+    def _arguments_schema(self, tool: Tool) -> dict:
+        arguments = dict(tool.parameters or {"type": "object"})
+        return {**arguments, "x-guidance": CALL_JSON_OPTIONS}
+
+
 STYLES = {
     "hermes": ToolStyle("hermes", "<tool_call>"),
     "llama3": ToolStyle("llama3", "<|python_tag|>", arguments_key="parameters", bare_starts="{["),
     "mistral": ToolStyle("mistral", "[TOOL_CALLS]", bare_starts="[{"),
     "pythonic": PythonicStyle("pythonic", "```tool_code", bare_starts="["),
+    "harmony": HarmonyStyle("harmony", CALL_OPENER),
 }
 
 
@@ -811,6 +867,8 @@ def style_for(template: ChatTemplate) -> ToolStyle:
     """The format the template's model writes calls in: its own where the template renders tools;
     else Python calls for Gemma (its turns ``<start_of_turn>``: what Google's guide prompts it with)
     and Hermes for the others."""
+    if is_harmony(template.source):
+        return STYLES["harmony"]
     if not renders_tools(template):
         return STYLES["pythonic"] if "<start_of_turn>" in template.source else STYLES["hermes"]
     if "[TOOL_CALLS]" in template.source:
@@ -898,6 +956,8 @@ def render_conversation(template: ChatTemplate, messages: Sequence[dict], tools:
     """The conversation as prompt text with its contents' spans (``render_with_spans``), tools and
     earlier calls included; ToolTemplateError where the template cannot render them (a template
     without tools that refuses a system message gets them in the first user message instead)."""
+    if is_harmony(template.source):  # the thinking clients send back, where its templates read it
+        messages = harmony_messages(messages)
     if not uses_tools(messages, tools):
         return render_with_spans(template, messages, add_generation_prompt)
     problem = ""
