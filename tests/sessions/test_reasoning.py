@@ -221,6 +221,13 @@ def test_a_grammar_holds_the_answer_after_the_thinking(thinking_model):
         worded = Grammar.compile(dataclasses.replace(spec, thought=('"<t>"', '"</t>"', True)), backend)
         assert _walk(worded, backend, 'a < b </t>\n{"n": 5}')
         assert not _walk(worded, backend, "a </t>x")  # the first closing tag ends it
+        # a rejected draft rolls the grammar back, inside the thinking and after its tag (llguidance
+        # rolls back no stop lexeme: the tag is a suffix)
+        state = worded.start()
+        ids = text("a < b </t>\n{", add_bos=False)
+        assert state.advance(ids)
+        state.rollback(len(ids) - 2)
+        assert not state.error and state.advance(ids[2:]) and not state.error
     finally:
         backend.close()
 
