@@ -268,13 +268,18 @@ def _tools(tools):
 
 
 def _tool_choice(choice):
-    """Responses' tool_choice ("auto", "none", "required", {"type": "function", "name": ...}) as chat's."""
+    """Responses' tool_choice ("auto", "none", "required", {"type": "function", "name": ...},
+    {"type": "allowed_tools", "mode": ..., "tools": [{"type": "function", "name": ...}]}) as chat's."""
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                       "tool_choice", code="invalid_type")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and isinstance(choice.get("tools"), list):
+        tools = [{"type": tool.get("type"), "function": {"name": tool.get("name")}} if isinstance(tool, dict) else tool
+                 for tool in choice["tools"]]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": tools}}
+    raise RequestError('tool_choice must be "auto", "none", "required", {"type": "function", "name": ...} or '
+                       '{"type": "allowed_tools", "mode": ..., "tools": [...]}', "tool_choice", code="invalid_type")
 
 
 def _text_format(text):

@@ -919,7 +919,7 @@ class PairWorker:
         """What reads the calls out of this request's answer: None where it has no tools to call."""
         if not request.tools or request.tool_choice.mode == "none":
             return None
-        return ToolCallCut(self._style(), [tool.name for tool in request.tools])
+        return ToolCallCut(self._style(), [tool.name for tool in request.tool_choice.callable(request.tools)])
 
     def _grammar(self, job: Job) -> Grammar | None:
         """The request's grammar compiled for the target's vocabulary (checked without one already);

@@ -224,7 +224,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                     event.result.reasoning, event.result.content = split_reasoning(event.result.text, *thinking)
                 if request.tools and request.tool_choice.mode != "none":
                     template = ChatTemplate.for_backend(target)
-                    names = [tool.name for tool in request.tools]
+                    names = [tool.name for tool in request.tool_choice.callable(request.tools)]
                     answer = event.result.content if event.result.content is not None else event.result.text
                     event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
                         answer, names, cut=event.result.finish_reason in CUT_REASONS)

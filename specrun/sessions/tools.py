@@ -74,14 +74,27 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """``tool_choice``: "auto", "none", "required", or the name of the one function to call."""
+    """``tool_choice``: "auto", "none", "required", or the name of the one function to call;
+    ``allowed``: OpenAI's ``allowed_tools``, the functions the model may call of those defined
+    (all of them stay in the prompt, so its cache holds across requests that allow others)."""
 
     mode: str = "auto"
     function: str | None = None
+    allowed: tuple[str, ...] | None = None
 
     @property
     def forces_a_call(self) -> bool:
         return self.mode in ("required", "function")
+
+    def allows(self, name: str) -> bool:
+        """May the model call the function ``name``?"""
+        if self.mode == "function":
+            return name == self.function
+        return self.mode != "none" and (self.allowed is None or name in self.allowed)
+
+    def callable(self, tools: Sequence["Tool"]) -> list["Tool"]:
+        """The functions of ``tools`` the model may call, in their order."""
+        return [tool for tool in tools if self.allows(tool.name)]
 
 
 CUT_REASONS = ("length", "context")  # an answer's finish reasons where it stopped short, maybe inside a call
@@ -173,7 +186,7 @@ def _check_schemas(tools: Sequence[Tool], choice: ToolChoice) -> None:
     parameters: a keyword llguidance cannot enforce (uniqueItems, not) refused every request
     that carried the tool."""
     for index, tool in enumerate(tools):
-        if tool.parameters is None or (choice.mode == "function" and tool.name != choice.function):
+        if tool.parameters is None or not choice.allows(tool.name):
             continue
         where = f"tools[{index}].function.parameters"
         try:
@@ -182,6 +195,7 @@ def _check_schemas(tools: Sequence[Tool], choice: ToolChoice) -> None:
             raise ToolDefinitionError(f"{where} nests too deeply", where) from None
         except GrammarError as exc:
             forced = f'tool_choice "{choice.mode}"' if choice.mode == "required" else "tool_choice names it"
+            forced += " among its allowed tools" if choice.allowed is not None else ""
             raise ToolDefinitionError(f"{where}: {exc.problem} ({forced}, so its arguments must follow the schema; "
                                       "a call the model may choose takes any schema)", where) from None
 
@@ -204,8 +218,38 @@ def tool_choice_of(choice, tools: Sequence[Tool]) -> ToolChoice:
                                       f"define (defined: {known})", "tool_choice")
         _check_schemas(tools, ToolChoice("function", name))
         return ToolChoice("function", name)
-    raise ToolDefinitionError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
-                              '{"name": ...}}', "tool_choice", "invalid_type")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return _allowed_tools(choice.get("allowed_tools"), tools)
+    raise ToolDefinitionError('tool_choice must be "auto", "none", "required", {"type": "function", "function": '
+                              '{"name": ...}} or {"type": "allowed_tools", "allowed_tools": {...}}', "tool_choice",
+                              "invalid_type")
+
+
+def _allowed_tools(allowed, tools: Sequence[Tool]) -> ToolChoice:
+    """OpenAI's ``{"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name":
+    ...}}, ...]}``: the functions, of those defined, the model may call (or must call one of)."""
+    where = "tool_choice.allowed_tools"
+    if not isinstance(allowed, dict) or allowed.get("mode", "auto") not in ("auto", "required") or not isinstance(
+            allowed.get("tools"), list) or not allowed["tools"]:
+        raise ToolDefinitionError(f'{where} must be {{"mode": "auto" or "required", "tools": [{{"type": "function", '
+                                  '"function": {"name": ...}}, ...]}} naming at least one function', where,
+                                  "invalid_type")
+    defined, names = {tool.name for tool in tools}, []
+    for index, entry in enumerate(allowed["tools"]):
+        function = entry.get("function") if isinstance(entry, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(entry, dict) or entry.get("type", "function") != "function" or not isinstance(name, str):
+            raise ToolDefinitionError(f'{where}.tools[{index}] must be {{"type": "function", "function": {{"name": '
+                                      '...}}}}', f"{where}.tools[{index}]", "invalid_type")
+        if name not in defined:
+            known = ", ".join(tool.name for tool in tools) or "none"
+            raise ToolDefinitionError(f"{where}.tools[{index}] names the function {_shown(name)}, which tools does "
+                                      f"not define (defined: {known})", f"{where}.tools[{index}]")
+        names.append(name)
+    choice = ToolChoice(allowed.get("mode", "auto"), allowed=tuple(dict.fromkeys(names)))
+    if choice.forces_a_call:
+        _check_schemas(tools, choice)
+    return choice
 
 
 # ---- reading calls ------------------------------------------------------------------------
@@ -379,7 +423,7 @@ class ToolStyle:
         the functions ``choice`` allows, each one's arguments following its schema. One call by
         default, as llama-server does: a small model told it may call again calls again until
         max_tokens cuts it off."""
-        allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
+        allowed = choice.callable(tools)
         call = " | ".join(f"%json {json.dumps(self._call_schema(tool))}" for tool in allowed)
         if self.name == "hermes":
             block = '"<tool_call>\\n" call "\\n</tool_call>"'
@@ -704,7 +748,7 @@ class PythonicStyle(ToolStyle):
         """A list of calls in Python: each function's keyword arguments in its schema's order,
         the required ones always, each value JSON following its property's schema (which the
         reader takes as Python). Names must be Python's: GrammarError otherwise."""
-        allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
+        allowed = choice.callable(tools)
         rules, calls = [], []
         for index, tool in enumerate(allowed):
             if not all(_python_name(part) for part in tool.name.split(".")):
@@ -827,7 +871,7 @@ class HarmonyStyle(ToolStyle):
         def items(text: str) -> str:
             return grammar_items(backend, text) if backend is not None else json.dumps(text)
 
-        allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
+        allowed = choice.callable(tools)
         calls = " | ".join(f"{items(f' to=functions.{tool.name}<|channel|>commentary json<|message|>')} "
                            f"%json {json.dumps(self._arguments_schema(tool))}" for tool in allowed)
         return GrammarSpec("lark", f"start: ({items(HARMONY_ASSISTANT)})? call\ncall: {calls}\n", headed=True)

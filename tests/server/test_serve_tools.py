@@ -67,6 +67,32 @@ def test_a_named_function_is_the_one_called(demo_server):
             jsonschema.validate(json.loads(c.function.arguments), TIME["function"]["parameters"])
 
 
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools_keep_every_tool_in_the_prompt_and_let_only_those_be_called(demo_server):
+    """OpenAI's allowed_tools: the prompt shows every tool (its cache holds across requests that
+    allow others), a required call goes to an allowed function only; on auto, a call to another is
+    text. The Responses API takes its own spelling of it."""
+    for _ in range(2):
+        choice = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME],
+                       tool_choice=_allowed("required", "get_time")).choices[0]
+        assert choice.finish_reason == "tool_calls" and {c.function.name for c in choice.message.tool_calls} == {
+            "get_time"}
+    every = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME])
+    allowed = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME], tool_choice=_allowed("auto", "get_time"))
+    assert allowed.usage.prompt_tokens == every.usage.prompt_tokens
+    status, body = demo_server.post("/v1/responses", {
+        "model": MODEL, "input": "What is the weather in Paris?", "max_output_tokens": 120, "temperature": 0,
+        "tools": [{"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}],
+        "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function",
+                                                                                "name": "get_time"}]}})
+    assert status == 200, body
+    assert {item["name"] for item in body["output"] if item["type"] == "function_call"} == {"get_time"}
+
+
 def test_a_forced_call_is_answered_whatever_the_stop_strings(demo_server):
     """A stop string the call's markup holds ("<", a client's default stop list) cut a required
     call at its first character: a 200 with neither call nor text. The forced call's grammar ends
@@ -168,6 +194,17 @@ BAD = [
     (_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"\ud800": {"type": "string"}}}}}]), "tools[0].function.parameters",
      "invalid_value"),
+]
+
+
+BAD += [
+    (_body(tools=[WEATHER], tool_choice=_allowed("required", "launch")), "tool_choice.allowed_tools.tools[0]",
+     "invalid_value"),
+    (_body(tools=[WEATHER], tool_choice=_allowed("sometimes", "get_weather")), "tool_choice.allowed_tools",
+     "invalid_type"),
+    (_body(tools=[WEATHER], tool_choice=_allowed("auto")), "tool_choice.allowed_tools", "invalid_type"),
+    (_body(tools=[WEATHER], tool_choice={"type": "allowed_tools", "allowed_tools": {"tools": [{"name": "x"}]}}),
+     "tool_choice.allowed_tools.tools[0]", "invalid_type"),
 ]
 
 

@@ -253,6 +253,37 @@ def test_a_required_call_s_grammar_accepts_exactly_calls_whose_arguments_follow_
     jsonschema.validate(json.loads(calls[0].arguments), TIME.parameters)
 
 
+def test_allowed_tools_narrow_what_may_be_called():
+    from specrun.sessions.tools import ToolDefinitionError, tool_choice_of
+
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}, {"type": "function", "function": {"name": "get_time"}}]}}
+    choice = tool_choice_of(allowed, (WEATHER, TIME))
+    assert choice == ToolChoice("required", allowed=("get_time",)) and choice.forces_a_call
+    assert choice.callable((WEATHER, TIME)) == [TIME] and not choice.allows("get_weather")
+    auto = tool_choice_of({"type": "allowed_tools", "allowed_tools": {"tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}, (WEATHER, TIME))
+    assert auto.mode == "auto" and not auto.forces_a_call and auto.callable((WEATHER, TIME)) == [WEATHER]
+    other = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'  # on auto, a call to another is text
+    assert STYLES["hermes"].parse(other, [tool.name for tool in auto.callable((WEATHER, TIME))]) == (other, [])
+    assert ToolChoice().callable((WEATHER, TIME)) == [WEATHER, TIME] and ToolChoice("none").callable((WEATHER,)) == []
+    assert ToolChoice("function", "get_time").callable((WEATHER, TIME)) == [TIME]
+    with pytest.raises(ToolDefinitionError, match="which tools does not define"):
+        tool_choice_of({"type": "allowed_tools", "allowed_tools": {"tools": [
+            {"type": "function", "function": {"name": "launch"}}]}}, (WEATHER,))
+    # a required call among them: its grammar calls those alone
+    backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])
+    grammar = Grammar.compile(STYLES["hermes"].grammar((WEATHER, TIME), choice), backend)
+
+    def accepted(call: dict) -> bool:
+        text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert accepted({"name": "get_time", "arguments": {"zone": "UTC"}})
+    assert not accepted({"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}})
+
+
 @pytest.mark.parametrize("style", [name for name in STYLES if name != "harmony"])  # harmony: one a message
 def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for(style):
     backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])
