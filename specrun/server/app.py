@@ -44,6 +44,7 @@ from specrun.server.worker import (
     PairOptions,
     PairWorker,
     Started,
+    TOOL_CALLS,
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -632,10 +633,12 @@ class OpenAIServer:
             message = {"role": "assistant", "content": text or (None if calls else "")}
             if thinking:  # as llama-server: present where the model thought
                 message["reasoning_content"] = "".join(thinking)
-            if calls:
+            if calls and job.request.legacy_functions:  # the older form: one call
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            elif calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
             choice = {"index": 0, "message": message, "logprobs": self._logprobs(job, logprobs),
-                      "finish_reason": event.finish_reason}
+                      "finish_reason": _finish_reason(job, event.finish_reason)}
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(job, logprobs),
                       "finish_reason": event.finish_reason}
@@ -706,13 +709,18 @@ class OpenAIServer:
                 elif isinstance(event, Calls):  # each call whole, as one delta of its own
                     for index, call in enumerate(event.calls):
                         chunk = self._chunk(job, None, None)
+                        if job.request.legacy_functions:  # the older form: the first call alone
+                            chunk["choices"][0]["delta"] = {"function_call": {"name": call.name,
+                                                                              "arguments": call.arguments}}
+                            yield _sse_data(chunk)
+                            break
                         chunk["choices"][0]["delta"] = {"tool_calls": [{"index": index, **call.as_openai()}]}
                         yield _sse_data(chunk)
                 elif isinstance(event, Failed):
                     yield _sse_data(event.error.body())
                     break
                 elif isinstance(event, Done):
-                    last = self._chunk(job, None, event.finish_reason)
+                    last = self._chunk(job, None, _finish_reason(job, event.finish_reason))
                     last["speculation"] = speculation_object(event.stats)
                     yield _sse_data(last)
                     if job.request.include_usage:
@@ -732,6 +740,12 @@ def _shown_to_operator(line: str) -> str:
     operator's terminal, a newline faking a line of its own), cut to LOGGED_CHARACTERS."""
     shown = "".join(char if char.isprintable() else repr(char)[1:-1] for char in line)
     return shown if len(shown) <= LOGGED_CHARACTERS else shown[: LOGGED_CHARACTERS - 1] + "…"
+
+
+def _finish_reason(job: Job, reason: str) -> str:
+    """A chat answer's finish reason as the request's form says it: OpenAI's older functions end a
+    call with "function_call"."""
+    return "function_call" if reason == TOOL_CALLS and job.request.legacy_functions else reason
 
 
 def _sse_data(payload: dict) -> str:

@@ -35,8 +35,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields specrun accepts but does not act on, with the values that mean "nothing asked":
 # any other value is refused by name rather than silently ignored.
 _INERT_FIELDS = {
-    "functions": (None,),
-    "function_call": (None, "none", "auto"),
     "echo": (False, None),
     "best_of": (1, None),
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
@@ -134,6 +132,9 @@ class CompletionRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = False  # may a required call be several? (llama-server's default: one)
+    # asked in OpenAI's older form (``functions``, ``function_call``): a call answers as
+    # message.function_call, finish_reason "function_call"
+    legacy_functions: bool = False
     logprobs: int | None = None  # each token's log-probability with this many alternatives; None: not asked
     suffix: str | None = None  # completions: the text after the cursor, filled in between (sessions/infill.py)
     fill: Fill | None = None  # /infill: the text around an editor's cursor (sessions/infill.py)
@@ -635,10 +636,15 @@ def _parse_stop(stop) -> tuple[str, ...]:
 def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/chat/completions body as a CompletionRequest, or a RequestError naming the bad field."""
     check_fields(body, (*COMMON_FIELDS, "messages", "max_completion_tokens", "tools", "tool_choice",
-                         "parallel_tool_calls", "logprobs", "top_logprobs", *CHAT_TEMPLATE_FIELDS))
+                         "parallel_tool_calls", "logprobs", "top_logprobs", "functions", "function_call",
+                         *CHAT_TEMPLATE_FIELDS))
     common = parse_common(body, defaults, n_ctx, "max_completion_tokens")
-    tools = _parse_tools(body.get("tools"))
-    choice = _parse_tool_choice(body.get("tool_choice"), tools)
+    legacy = body.get("functions") is not None or body.get("function_call") is not None
+    if legacy:
+        tools, choice = _legacy_functions(body)
+    else:
+        tools = _parse_tools(body.get("tools"))
+        choice = _parse_tool_choice(body.get("tool_choice"), tools)
     if choice.forces_a_call and common["grammar"] is not None:
         raise invalid_value("tool_choice", f"a required tool call and {common['grammar_field']} both constrain "
                             "the answer: send one of them")
@@ -646,8 +652,41 @@ def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> Compl
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls", code="invalid_type")
     return CompletionRequest(messages=_parse_messages(body.get("messages")), tools=tools, tool_choice=choice,
-                             parallel_tool_calls=bool(parallel), logprobs=_chat_logprobs(body),
-                             **chat_template_settings(body, defaults), **common)
+                             parallel_tool_calls=bool(parallel) and not legacy, logprobs=_chat_logprobs(body),
+                             legacy_functions=legacy, **chat_template_settings(body, defaults), **common)
+
+
+def _legacy_functions(body: dict) -> tuple[tuple[Tool, ...], ToolChoice]:
+    """OpenAI's older ``functions`` (definitions without the ``{"type": "function"}`` wrapper) and
+    ``function_call`` ("none", "auto" or ``{"name": ...}``) as tools and tool_choice; a refusal names
+    the older fields."""
+    functions, call = body.get("functions"), body.get("function_call")
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
+        raise invalid_value("functions", "send tools and tool_choice, or functions and function_call (their older "
+                                         "form), not both")
+    if call is not None and functions is None:
+        raise invalid_value("function_call", "names a choice among functions: send functions too")
+    if not isinstance(functions, list):
+        raise RequestError("functions must be a list of {name, description, parameters} objects", "functions",
+                           code="invalid_type")
+    for index, function in enumerate(functions):
+        if not isinstance(function, dict):
+            raise RequestError(f"functions[{index}] must be an object {{name, description, parameters}}",
+                               f"functions[{index}]", code="invalid_type")
+    try:
+        tools = tool_definitions([{"type": "function", "function": function} for function in functions])
+        if isinstance(call, dict) and set(call) <= {"name"}:
+            call = {"type": "function", "function": call}
+        elif call is not None and call not in ("none", "auto"):
+            raise ToolDefinitionError('function_call must be "none", "auto" or {"name": ...}', "function_call",
+                                      "invalid_type")
+        return tools, tool_choice_of(call, tools)
+    except ToolDefinitionError as exc:
+        def older(text: str) -> str:
+            return re.sub(r"\btools(\[\d+\])\.function\b", r"functions\1", text).replace(
+                "tool_choice", "function_call").replace("tools does not", "functions does not")
+
+        raise RequestError(older(exc.problem), older(exc.where), code=exc.code) from None
 
 
 # A chat request's fields for its template and its thinking (llama-server's and vLLM's)
@@ -741,6 +780,8 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object with role and content", where, code="invalid_type")
         role = message.get("role")
+        if role == "function":  # a result in OpenAI's older form: a tool's, answering the call before it
+            role = "tool"
         if role not in ROLES:
             raise invalid_value(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_shown(role)}")
         content = _message_text(message.get("content"), f"{where}.content", optional=role == "assistant")
@@ -749,6 +790,9 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         entry = {"role": "system" if role == "developer" else role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")
+        elif role == "assistant" and message.get("function_call") is not None:  # the older form of one call
+            call = message["function_call"]
+            entry["tool_calls"] = _earlier_calls([{"type": "function", "function": call}], f"{where}.function_call")
         if role == "assistant":  # an earlier answer's thinking, which a template may write back (Qwen3's last)
             for key in ("reasoning_content", "reasoning"):  # llama-server's name, and vLLM's newer one
                 if message.get(key) is not None:

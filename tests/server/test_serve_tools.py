@@ -93,6 +93,33 @@ def test_allowed_tools_keep_every_tool_in_the_prompt_and_let_only_those_be_calle
     assert {item["name"] for item in body["output"] if item["type"] == "function_call"} == {"get_time"}
 
 
+def test_functions_in_openai_s_older_form_are_called_and_answered(demo_server):
+    """``functions`` and ``function_call`` (OpenAI's form before tools): the call comes back as
+    message.function_call with finish_reason "function_call", whole and streamed; an earlier call
+    in that form and its ``function`` result go back to the template as tools' do."""
+    functions = [WEATHER["function"], TIME["function"]]
+    body = {"messages": QUESTION, "functions": functions, "function_call": {"name": "get_time"}, "max_tokens": 120}
+    status, answer = demo_server.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"], choice
+    call = choice["message"]["function_call"]
+    assert call["name"] == "get_time"
+    jsonschema.validate(json.loads(call["arguments"]), TIME["function"]["parameters"])
+    chunks = [chunk for chunk in _call(demo_server, messages=QUESTION, functions=functions,
+                                       function_call={"name": "get_time"}, stream=True) if chunk.choices]
+    streamed = [chunk.choices[0].delta.function_call for chunk in chunks if chunk.choices[0].delta.function_call]
+    assert [(part.name, part.arguments) for part in streamed] == [(call["name"], call["arguments"])]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    history = [*QUESTION, {"role": "assistant", "content": None, "function_call": call},
+               {"role": "function", "name": "get_time", "content": '{"time": "12:00"}'}]
+    status, final = demo_server.post("/v1/chat/completions", {"messages": history, "functions": functions,
+                                                              "function_call": "none", "max_tokens": 8})
+    assert status == 200 and final["choices"][0]["message"]["content"], final
+    status, rendered = demo_server.post("/apply-template", {"messages": history, "tools": [WEATHER, TIME]})
+    assert status == 200 and '"get_time"' in rendered["prompt"] and '{"time": "12:00"}' in rendered["prompt"]
+
+
 def test_a_forced_call_is_answered_whatever_the_stop_strings(demo_server):
     """A stop string the call's markup holds ("<", a client's default stop list) cut a required
     call at its first character: a 200 with neither call nor text. The forced call's grammar ends
@@ -205,6 +232,17 @@ BAD += [
     (_body(tools=[WEATHER], tool_choice=_allowed("auto")), "tool_choice.allowed_tools", "invalid_type"),
     (_body(tools=[WEATHER], tool_choice={"type": "allowed_tools", "allowed_tools": {"tools": [{"name": "x"}]}}),
      "tool_choice.allowed_tools.tools[0]", "invalid_type"),
+]
+
+
+BAD += [
+    (_body(functions=[WEATHER["function"]], tools=[WEATHER]), "functions", "invalid_value"),
+    (_body(function_call="auto"), "function_call", "invalid_value"),
+    (_body(functions={"name": "f"}), "functions", "invalid_type"),
+    (_body(functions=["f"]), "functions[0]", "invalid_type"),
+    (_body(functions=[{"description": "no name"}]), "functions[0].name", "missing_required_parameter"),
+    (_body(functions=[WEATHER["function"]], function_call={"name": "launch"}), "function_call", "invalid_value"),
+    (_body(functions=[WEATHER["function"]], function_call="always"), "function_call", "invalid_type"),
 ]
 
 
