@@ -796,7 +796,8 @@ class PairWorker:
         if grammar is not None and grammar.spec.thought is None:
             return None
         tags = thinking_tags(self.session.template)
-        return None if tags is None else reasoning_split(tags, job.opens_thinking)
+        callable = [tool.name for tool in job.request.tool_choice.callable(job.request.tools)]
+        return None if tags is None else reasoning_split(tags, job.opens_thinking, callable)
 
     def _thinking_tokens(self, job: Job) -> ThinkingTokens | None:
         """What counts a chat answer's thinking tokens (usage's reasoning_tokens), whatever the

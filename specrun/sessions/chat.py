@@ -387,7 +387,8 @@ class ChatSession:
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target, self._shown_tags)
         # a reasoning model's thinking read apart (not under a grammar that holds the answer from its first token)
-        split = reasoning_split(self.thinking, self._opened_thinking) if self.thinking is not None and (
+        offered = [tool.name for tool in self.tools]
+        split = reasoning_split(self.thinking, self._opened_thinking, offered) if self.thinking is not None and (
             params.grammar is None or params.grammar.spec.thought is not None) else None
         result: GenerationResult | None = None
         read: dict[bool, list[str]] = {True: [], False: []}  # the thinking's pieces, and the answer's

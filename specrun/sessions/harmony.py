@@ -6,7 +6,8 @@ gpt-oss does not think between tags around a block. Its generation prompt ends i
 end-of-text tokens, never text)::
 
     <|channel|>analysis<|message|>THINKING<|end|><|start|>assistant<|channel|>final<|message|>ANSWER
-    <|channel|>analysis<|message|>THINKING<|end|><|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{ARGS}
+    <|channel|>analysis<|message|>THINKING<|end|><|start|>assistant to=functions.NAME<|channel|>commentary json
+    <|message|>{ARGS}        (one line: the header runs on to <|message|>)
 
 The channel says what a body is: ``analysis`` the thinking, ``final`` the answer, ``commentary``
 a preamble the user sees (an answer's text too). A recipient (``to=functions.NAME``, in the role
@@ -42,9 +43,12 @@ def is_harmony(source: str) -> bool:
 
 
 def read_header(header: str) -> tuple[str, str]:
-    """(channel, recipient) of a message's header text (either may be "")."""
-    channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
-    return (channel.group(1) if channel else ""), (recipient.group(1) if recipient else "")
+    """(channel, recipient) of a message's header text (either may be ""): the last channel named
+    (gpt-oss-20b sometimes writes a stray ``<|channel|>commentary[ to=assistant]`` before the
+    channel it means, as llama.cpp's parser notes) and the last recipient other than the assistant."""
+    channels = _CHANNEL.findall(header)
+    recipients = [name for name in _RECIPIENT.findall(header) if name != "assistant"]
+    return (channels[-1] if channels else ""), (recipients[-1] if recipients else "")
 
 
 def _may_begin_header(text: str) -> bool:
@@ -64,14 +68,16 @@ class HarmonySplit:
     interface: ``feed``, ``finish``, ``thinking``).
 
     ``analysis`` bodies are thinking (blocks after the first begin on a new line); ``final`` and
-    ``commentary`` bodies without a recipient are the answer; a body to ``functions.NAME`` goes
-    to the answer as ``to=functions.NAME<|message|>`` then the body (a call, for the harmony tool
-    style); a body to any other recipient (a built-in tool) is dropped, as llama.cpp drops it.
+    ``commentary`` bodies without a recipient are the answer; a body to ``functions.NAME``, NAME
+    one of ``callable`` (the functions the request lets the model call), goes to the answer as
+    ``to=functions.NAME<|message|>`` then the body (a call, for the harmony tool style); a body to
+    any other recipient (a built-in tool, a function not offered) is dropped, as llama.cpp drops it.
     Headers are never shown. Text that is no header (a model not writing harmony) is the answer's
     from there on, as it comes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, callable: Sequence[str] = ()) -> None:
+        self._callable = frozenset(callable)
         self._state = "header"  # header | body | loose
         self._route = ""  # where the body goes: "thinking", "answer" or "" (dropped)
         self._held = ""  # a header being read, or a body's end that may begin <|end|>
@@ -93,8 +99,9 @@ class HarmonySplit:
                 self._held = ""
             elif self._state == "header":
                 at = self._held.find(MESSAGE)
-                if at < 0:
-                    if not _may_begin_header(self._held) or len(self._held) > MAX_HEADER_CHARS:
+                if at < 0:  # (a <|message|> begun at the end does not count against the limit)
+                    if not _may_begin_header(self._held) or \
+                            len(self._held) - _held_prefix(self._held, MESSAGE) > MAX_HEADER_CHARS:
                         self._state = "loose"
                         continue
                     break
@@ -118,7 +125,7 @@ class HarmonySplit:
     def _open_body(self, header: str, out: dict) -> None:
         channel, recipient = read_header(header)
         self._state, self._body_begun = "body", False
-        if recipient.startswith("functions."):
+        if recipient.startswith("functions.") and recipient[len("functions."):] in self._callable:
             self._route = "answer"
             out["answer"].append(f"{CALL_OPENER}{recipient[len('functions.'):]}{MESSAGE}")
         elif recipient and recipient != "assistant":
@@ -160,17 +167,20 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 def harmony_messages(messages: Sequence[dict]) -> list[dict]:
-    """A conversation as harmony templates take it back: an assistant message's ``reasoning_content``
-    (what clients send back, as specrun answers it) in the ``thinking`` field the template reads,
-    and, beside tool calls, no content next to it (the template refuses both), as llama.cpp does."""
+    """A conversation as harmony templates take it back, as llama.cpp gives it: an assistant
+    message's ``reasoning_content`` (what clients send back, as specrun answers it) in the
+    ``thinking`` field the template reads and, beside tool calls, no content next to it (the
+    template refuses both); a null content left out (the template reads a content it finds as text)."""
     taken = []
     for message in messages:
-        thinking = message.get("reasoning_content")
-        if message.get("role") == "assistant" and isinstance(thinking, str):
-            message = {key: value for key, value in message.items() if key != "reasoning_content"}
-            if thinking:
+        if message.get("role") == "assistant":
+            message = dict(message)
+            thinking = message.pop("reasoning_content", None)
+            if isinstance(thinking, str):
                 message["thinking"] = thinking
                 if message.get("tool_calls"):
                     message.pop("content", None)
+            if message.get("content", "") is None:
+                del message["content"]
         taken.append(message)
     return taken

@@ -191,10 +191,12 @@ class ReasoningSplit:
         return "", held.lstrip() if self._state == "after" else held
 
 
-def reasoning_split(tags: ThinkTags, open: bool = False) -> ReasoningSplit | harmony.HarmonySplit:
+def reasoning_split(tags: ThinkTags, open: bool = False,
+                    callable: Sequence[str] = ()) -> ReasoningSplit | harmony.HarmonySplit:
     """What reads an answer's thinking apart from it: ``ReasoningSplit``, or gpt-oss's channels read
-    by ``harmony.HarmonySplit`` (the same interface)."""
-    return harmony.HarmonySplit() if tags.harmony else ReasoningSplit(tags, open)
+    by ``harmony.HarmonySplit`` (the same interface; ``callable``: the functions whose calls it
+    keeps, as a request offers them)."""
+    return harmony.HarmonySplit(callable) if tags.harmony else ReasoningSplit(tags, open)
 
 
 class ThinkingTokens:
@@ -242,11 +244,12 @@ class ThinkingTokens:
             self._text = self._text[-(len(self._end) - 1):] if len(self._end) > 1 else b""
 
 
-def split_reasoning(text: str, tags: ThinkTags | None, open: bool = False) -> tuple[str, str]:
+def split_reasoning(text: str, tags: ThinkTags | None, open: bool = False,
+                    callable: Sequence[str] = ()) -> tuple[str, str]:
     """A whole answer as (thinking, answer) (``ReasoningSplit``); no tags: ("", text)."""
     if tags is None:
         return "", text
-    split = reasoning_split(tags, open)
+    split = reasoning_split(tags, open, callable)
     fed, held = split.feed(text), split.finish()
     return fed[0] + held[0], fed[1] + held[1]
 

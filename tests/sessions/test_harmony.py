@@ -36,13 +36,18 @@ CALL = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "
     ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}', ("", "to=functions.f<|message|>{}")),
     ("<|channel|>analysis<|message|>a<|end|><|start|>assistant to=browser.search<|channel|>commentary<|message|>{}",
      ("a", "")),  # a built-in tool's call is dropped
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant to=functions.rm<|channel|>commentary<|message|>{}",
+     ("a", "")),  # so is a call to a function not offered
+    # gpt-oss-20b's stray commentary before the channel it means (llama.cpp's parser notes it)
+    ("<|channel|>commentary to=assistant<|channel|>analysis<|message|>private<|end|><|start|>assistant"
+     "<|channel|>commentary<|channel|>final<|message|>Hi", ("private", "Hi")),
     ("Plain text, no channels", ("", "Plain text, no channels")),
     ("<|channel|>analysis<|message|>cut inside the thinking <|e", ("cut inside the thinking <|e", "")),
     ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin", ("a", "")),  # a header cut: markup
     ("", ("", "")),
 ])
 def test_an_answer_s_channels_are_read_apart(text, expected):
-    assert split_reasoning(text, HARMONY_TAGS) == expected
+    assert split_reasoning(text, HARMONY_TAGS, callable=("get_weather", "f")) == expected
 
 
 def _reference(text: str) -> tuple[str, str]:
@@ -53,8 +58,8 @@ def _reference(text: str) -> tuple[str, str]:
     while text:
         header, found, rest = text.partition("<|message|>")
         begun = header.lstrip()
-        if found and begun and not begun.startswith(marks):
-            answer.append(text)  # no header: the rest is the answer's, as it is
+        if found and begun and (not begun.startswith(marks) or len(header) > 512):
+            answer.append(text)  # no header (or one too long to be): the rest is the answer's, as it is
             break
         if not found:  # a header cut short is dropped; text that can begin none is the answer's
             if begun and not begun.startswith(marks) and not any(mark.startswith(begun) for mark in marks):
@@ -63,7 +68,7 @@ def _reference(text: str) -> tuple[str, str]:
         body, _, text = rest.partition("<|end|>")
         body = body.lstrip()
         channel, recipient = read_header(header)
-        if recipient.startswith("functions."):
+        if recipient == "functions.f":  # the one function offered
             answer.append(f"to={recipient}<|message|>{body}")
         elif recipient and recipient != "assistant":
             continue
@@ -78,10 +83,14 @@ def _reference(text: str) -> tuple[str, str]:
 def test_the_split_is_the_same_however_the_stream_is_cut():
     rng = random.Random(11)
     pieces = ["<|start|>assistant", "<|channel|>", "analysis", "final", "commentary", "<|message|>", "<|end|>",
-              " to=functions.f", " to=python", " <|constrain|>json", "<|", "end|>", "a", "b c", " ", "\n", "{}"]
-    for _ in range(3000):
+              " to=functions.f", " to=functions.g", " to=python", " <|constrain|>json", "<|", "end|>", "a", "b c",
+              " ", "\n", "{}"]
+    long_header = "<|channel|>" + "x" * 501  # with <|message|> after it: a header at the limit's edge
+    for case in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
-        split, thought, answer, at = HarmonySplit(), [], [], 0
+        if case % 10 == 0:
+            text = long_header + rng.choice(["", "x", "xx"]) + "<|message|>body" + text
+        split, thought, answer, at = HarmonySplit(callable=("f",)), [], [], 0
         while at < len(text):
             step = rng.randint(1, 6)
             got = split.feed(text[at:at + step])
@@ -170,7 +179,10 @@ def test_the_thinking_clients_send_back_is_the_template_s_thinking():
                 {"role": "assistant", "content": "Sunny.", "reasoning_content": ""}]
     taken = harmony_messages(messages)
     assert taken[1] == {"role": "assistant", "thinking": "Need a tool.", "tool_calls": [call]}  # no content beside
-    assert taken[3] == {"role": "assistant", "content": "Sunny."} and messages[1]["reasoning_content"]  # not changed
+    assert taken[3] == {"role": "assistant", "content": "Sunny.", "thinking": ""}
+    assert messages[1]["reasoning_content"]  # the caller's messages as they were
+    assert harmony_messages([{"role": "assistant", "content": None, "tool_calls": [call]}]) == [
+        {"role": "assistant", "tool_calls": [call]}]  # a null content left out: the template reads it as text
     text, _ = render_conversation(ChatTemplate(HARMONY_TEMPLATE), messages, WEATHER)
     assert ('<|start|>assistant<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant '
             'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>') in text
