@@ -10,6 +10,7 @@ the routes (``OpenAIServer``), the response objects and the running of it all (`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import ipaddress
@@ -18,13 +19,14 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from specrun.engine.loop import check_bias
 from specrun.engine.stats import Stats
 from specrun.errors import SpecrunError, UsageError, cannot_listen
 from specrun.fileio import json_problem
+from specrun.sampling import MAX_SEED
 from specrun.server.connections import QuietAcceptErrors, connection_cap, guarded_protocol
 from specrun.server.requests import (
     CompletionRequest,
@@ -70,14 +72,18 @@ def speculation_object(stats: Stats) -> dict:
     return stats.to_dict()
 
 
-def usage_object(started: Started, done: Done) -> dict:
-    stats = done.stats
+def usage_object(started: Started | Sequence[Started], done: Done | Sequence[Done]) -> dict:
+    """OpenAI's usage of an answer, or of the n answers of one request: the prompt counted once (as
+    OpenAI counts it), the answers' tokens summed."""
+    starts = [started] if isinstance(started, Started) else list(started)
+    dones = [done] if isinstance(done, Done) else list(done)
+    new_tokens = sum(each.stats.new_tokens for each in dones)
     return {
-        "prompt_tokens": started.prompt_tokens,
-        "completion_tokens": stats.new_tokens,
-        "total_tokens": started.prompt_tokens + stats.new_tokens,
-        "prompt_tokens_details": {"cached_tokens": started.reused_tokens},
-        "completion_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
+        "prompt_tokens": starts[0].prompt_tokens,
+        "completion_tokens": new_tokens,
+        "total_tokens": starts[0].prompt_tokens + new_tokens,
+        "prompt_tokens_details": {"cached_tokens": starts[0].reused_tokens},
+        "completion_tokens_details": {"reasoning_tokens": sum(each.reasoning_tokens for each in dones)},
     }
 
 
@@ -574,32 +580,51 @@ class OpenAIServer:
             job.cancel()  # a client gone mid-stream: the generation stops at its next pass
 
     async def _started(self, request, parsed: CompletionRequest) -> tuple[Job, Started]:
-        """The request queued and begun (its prompt read): the job and its Started event. A request
-        that names no model is answered by the loaded one, as llama-server answers it."""
-        if parsed.model is None:
-            parsed = dataclasses.replace(parsed, model=self.model_id)
-        if parsed.model not in self.http.model_names:
-            raise RequestError(f"the model {parsed.model!r} is not served here; this server serves "
-                               f"{self.model_id!r} (GET /v1/models)", "model", status=404, code="model_not_found")
-        job = Job(parsed, asyncio.get_running_loop())
-        self.worker.submit(job)
-        try:
-            first = await job.next_event(request.is_disconnected)  # queued: waits for the worker
-        except BaseException:
-            job.cancel()
-            raise
-        if isinstance(first, Failed):
-            raise first.error
+        """The request queued and begun (its prompt read): the job and its Started event."""
+        (job,), (first,) = await self._all_started(request, [parsed])
         return job, first
 
+    async def _all_started(self, request, requests: list[CompletionRequest]) -> tuple[list[Job], list[Started]]:
+        """The requests queued (all of them, or none: a refusal cancels those queued before it) and
+        begun, their prompts read: the jobs and their Started events. A request that names no model is
+        answered by the loaded one, as llama-server answers it."""
+        jobs: list[Job] = []
+        try:
+            for parsed in requests:
+                if parsed.model is None:
+                    parsed = dataclasses.replace(parsed, model=self.model_id)
+                if parsed.model not in self.http.model_names:
+                    raise RequestError(f"the model {parsed.model!r} is not served here; this server serves "
+                                       f"{self.model_id!r} (GET /v1/models)", "model", status=404,
+                                       code="model_not_found")
+                job = Job(parsed, asyncio.get_running_loop())
+                self.worker.submit(job)
+                jobs.append(job)
+            firsts = [await job.next_event(request.is_disconnected) for job in jobs]  # queued: the worker's
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        failed = next((first for first in firsts if isinstance(first, Failed)), None)
+        if failed is not None:
+            for job in jobs:
+                job.cancel()
+            raise failed.error
+        return jobs, firsts
+
     async def _complete(self, request, parsed: CompletionRequest):
-        job, first = await self._started(request, parsed)
+        # n answers: each a generation of its own (choice i drawn with seed + i where a seed is given)
+        requests = [parsed] if parsed.n == 1 else [
+            dataclasses.replace(parsed, n=1, sampling=dataclasses.replace(parsed.sampling, seed=(
+                None if parsed.sampling.seed is None else (parsed.sampling.seed + index) % (MAX_SEED + 1))))
+            for index in range(parsed.n)]
+        jobs, firsts = await self._all_started(request, requests)
         if parsed.stream:
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(self._sse(job, first), media_type="text/event-stream",
+            return StreamingResponse(self._sse(jobs, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(request, job, first)
+        return await self._whole(request, jobs, firsts)
 
     @staticmethod
     async def _collected(request, job: Job, renamed=None,
@@ -624,9 +649,27 @@ class OpenAIServer:
         finally:
             job.cancel()  # a no-op once Done; else the generation stops at its next pass
 
-    async def _whole(self, request, job: Job, started: Started):
+    async def _whole(self, request, jobs: list[Job], starts: list[Started]):
         from starlette.responses import JSONResponse
 
+        try:
+            answers = await asyncio.gather(*(self._choice(request, job, index) for index, job in enumerate(jobs)))
+        finally:
+            for job in jobs:
+                job.cancel()  # one failed: the others stop at their next pass
+        choices, dones = [choice for choice, _ in answers], [done for _, done in answers]
+        if len(jobs) > 1:  # what speculation did for each answer, beside it
+            for choice, done in zip(choices, dones):
+                choice["speculation"] = speculation_object(done.stats)
+        return JSONResponse({
+            **self._header(jobs[0], chunk=False),
+            "choices": choices,
+            "usage": usage_object(starts, dones),
+            "speculation": speculation_object(dones[0].stats),
+        })
+
+    async def _choice(self, request, job: Job, index: int) -> tuple[dict, Done]:
+        """One whole answer as a choice of the response, and its end."""
         thinking = []
         text, calls, logprobs, event = await self._collected(request, job, thinking=thinking)
         if job.request.is_chat:
@@ -637,17 +680,12 @@ class OpenAIServer:
                 message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
             elif calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(job, logprobs),
+            choice = {"index": index, "message": message, "logprobs": self._logprobs(job, logprobs),
                       "finish_reason": _finish_reason(job, event.finish_reason)}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(job, logprobs),
+            choice = {"index": index, "text": text, "logprobs": self._logprobs(job, logprobs),
                       "finish_reason": event.finish_reason}
-        return JSONResponse({
-            **self._header(job, chunk=False),
-            "choices": [choice],
-            "usage": usage_object(started, event),
-            "speculation": speculation_object(event.stats),
-        })
+        return choice, event
 
     @staticmethod
     def _logprobs(job: Job, entries, start: int = 0) -> dict | None:
@@ -677,59 +715,91 @@ class OpenAIServer:
                 "model": job.request.model, "system_fingerprint": None}  # the name asked (--alias's or --target's)
 
     def _chunk(self, job: Job, text: str | None, finish_reason: str | None, role: bool = False,
-               thinking: str = "") -> dict:
+               thinking: str = "", index: int = 0) -> dict:
         if job.request.is_chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             if thinking:
                 delta = {"reasoning_content": thinking, **({"content": text} if text else {})}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         chunk = {**self._header(job, chunk=True), "choices": [choice]}
         if job.request.include_usage:  # OpenAI's every chunk but the usage one: a null usage field
             chunk["usage"] = None
         return chunk
 
-    async def _sse(self, job: Job, started: Started) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per stretch of text (with the tokens drafted in it),
-        a last chunk with the finish reason and the speculation statistics, usage if asked,
-        then [DONE]."""
-        offset = 0  # characters of text the chunks' tokens spelled so far (completions' text_offset)
+    async def _sse(self, jobs: list[Job], starts: list[Started]) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per stretch of text (with the tokens drafted in it), a last
+        chunk with the finish reason and the speculation statistics, for each of the answers asked
+        (n: their chunks interleaved as they come, each with its choice's index), usage if asked
+        (summed), then [DONE]."""
+        job = jobs[0]
+        offsets = [0] * len(jobs)  # characters of text each answer's chunks spelled so far (text_offset)
+        dones: dict[int, Done] = {}
         try:
             if job.request.is_chat:
-                yield _sse_data(self._chunk(job, None, None, role=True))
-            while True:
-                event = await job.next_event()
-                if isinstance(event, Delta):
-                    chunk = self._chunk(job, event.text, None, thinking=event.reasoning)
-                    chunk["choices"][0]["logprobs"] = self._logprobs(job, event.logprobs, offset)
-                    offset += sum(len(token.text) for token, _ in event.logprobs)
-                    chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}
-                    yield _sse_data(chunk)
-                elif isinstance(event, Calls):  # each call whole, as one delta of its own
-                    for index, call in enumerate(event.calls):
-                        chunk = self._chunk(job, None, None)
-                        if job.request.legacy_functions:  # the older form: the first call alone
-                            chunk["choices"][0]["delta"] = {"function_call": {"name": call.name,
-                                                                              "arguments": call.arguments}}
-                            yield _sse_data(chunk)
-                            break
-                        chunk["choices"][0]["delta"] = {"tool_calls": [{"index": index, **call.as_openai()}]}
+                for index in range(len(jobs)):
+                    yield _sse_data(self._chunk(job, None, None, role=True, index=index))
+            async with contextlib.aclosing(_merged(jobs)) as events:
+                async for index, event in events:
+                    answer = jobs[index]
+                    if isinstance(event, Delta):
+                        chunk = self._chunk(answer, event.text, None, thinking=event.reasoning, index=index)
+                        chunk["choices"][0]["logprobs"] = self._logprobs(answer, event.logprobs, offsets[index])
+                        offsets[index] += sum(len(token.text) for token, _ in event.logprobs)
+                        chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}
                         yield _sse_data(chunk)
-                elif isinstance(event, Failed):
-                    yield _sse_data(event.error.body())
-                    break
-                elif isinstance(event, Done):
-                    last = self._chunk(job, None, _finish_reason(job, event.finish_reason))
-                    last["speculation"] = speculation_object(event.stats)
-                    yield _sse_data(last)
-                    if job.request.include_usage:
-                        yield _sse_data({**self._header(job, chunk=True), "choices": [],
-                                         "usage": usage_object(started, event)})
-                    break
+                    elif isinstance(event, Calls):  # each call whole, as one delta of its own
+                        for number, call in enumerate(event.calls):
+                            chunk = self._chunk(answer, None, None, index=index)
+                            if answer.request.legacy_functions:  # the older form: the first call alone
+                                chunk["choices"][0]["delta"] = {"function_call": {"name": call.name,
+                                                                                  "arguments": call.arguments}}
+                                yield _sse_data(chunk)
+                                break
+                            chunk["choices"][0]["delta"] = {"tool_calls": [{"index": number, **call.as_openai()}]}
+                            yield _sse_data(chunk)
+                    elif isinstance(event, Failed):
+                        yield _sse_data(event.error.body())
+                        break
+                    elif isinstance(event, Done):
+                        last = self._chunk(answer, None, _finish_reason(answer, event.finish_reason), index=index)
+                        last["speculation"] = speculation_object(event.stats)
+                        yield _sse_data(last)
+                        dones[index] = event
+                        if len(dones) == len(jobs):
+                            if job.request.include_usage:
+                                yield _sse_data({**self._header(job, chunk=True), "choices": [],
+                                                 "usage": usage_object(starts, [dones[i] for i in range(len(jobs))])})
+                            break
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()  # a client gone mid-stream: the generation stops at its next pass
+            for answer in jobs:
+                answer.cancel()  # a client gone mid-stream: the generations stop at their next pass
+
+
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
+    """The events of several answers as they come, each with its answer's index (one answer: its
+    own, in order); each answer's events end at its Done or Failed."""
+    if len(jobs) == 1:
+        while True:
+            yield 0, await jobs[0].next_event()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: Job) -> None:
+        while True:
+            event = await job.next_event()
+            await queue.put((index, event))
+            if isinstance(event, (Done, Failed)):
+                return
+
+    tasks = [asyncio.create_task(pump(index, job)) for index, job in enumerate(jobs)]
+    try:
+        while True:
+            yield await queue.get()
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 LOGGED_CHARACTERS = 300  # of a refusal's line: the client's text in it (a path, a field's name) is cut there

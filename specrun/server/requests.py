@@ -30,6 +30,7 @@ from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_c
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its completions API: 5)
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
+MAX_CHOICES = 16  # n: the answers one request may ask for (each a generation of its own)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # OpenAI fields specrun accepts but does not act on, with the values that mean "nothing asked":
@@ -132,6 +133,7 @@ class CompletionRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = False  # may a required call be several? (llama-server's default: one)
+    n: int = 1  # the answers asked for (OpenAI's n), each generated apart, choice i with seed + i
     # asked in OpenAI's older form (``functions``, ``function_call``): a call answers as
     # message.function_call, finish_reason "function_call"
     legacy_functions: bool = False
@@ -232,9 +234,10 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     if model is not None and not model.strip():  # llama-server's clients send a blank, or none at all
         model = None
     n = _number(body, "n", 1, integer=True)
-    if n != 1:
-        raise RequestError(f"n must be 1: specrun serve returns one choice per request, got {n}", "n",
+    if n != 1 and prompt_only:
+        raise RequestError(f"n must be 1 here: this endpoint returns one answer per request, got {n}", "n",
                            code="unsupported_value")
+    _check_range("n", n, 1, MAX_CHOICES)
     if max_tokens_field != "max_tokens" and body.get(max_tokens_field) is not None \
             and body.get("max_tokens") is not None:
         raise RequestError(f"max_tokens and {max_tokens_field} both set the answer's length: send one",
@@ -363,6 +366,7 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
                                           "every token the grammar allows: give finite biases, or drop one of them")
     return dict(
         model=model,
+        n=n,
         max_tokens=max_tokens,
         sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed,
                                   infill=samplers is not None and "infill" in samplers, penalties=penalties,

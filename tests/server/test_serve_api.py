@@ -165,7 +165,10 @@ BAD_REQUESTS = [
      "invalid_value"),
     ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": "x", "name": 5}]), 400,
      "messages[0].name", "invalid_type"),
-    ("/v1/chat/completions", _chat_body(n=2), 400, "n", "unsupported_value"),
+    ("/v1/chat/completions", _chat_body(n=0), 400, "n", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(n=17), 400, "n", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(n="2"), 400, "n", "invalid_type"),
+    ("/completion", {"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),  # llama-server's: one answer
     ("/v1/chat/completions", _chat_body(logprobs="yes"), 400, "logprobs", "invalid_type"),
     ("/v1/chat/completions", _chat_body(top_logprobs=3), 400, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", _chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
