@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from specrun.engine.loop import check_bias
 from specrun.engine.stats import Stats
-from specrun.errors import SpecrunError, UsageError, cannot_listen
+from specrun.errors import UsageError, cannot_listen
 from specrun.fileio import json_problem
 from specrun.sampling import MAX_SEED
 from specrun.server.connections import QuietAcceptErrors, connection_cap, guarded_protocol
@@ -32,6 +32,7 @@ from specrun.server.requests import (
     CompletionRequest,
     RequestError,
     ServeDefaults,
+    invalid_value,
     parse_chat_request,
     parse_completion_request,
 )
@@ -72,17 +73,16 @@ def speculation_object(stats: Stats) -> dict:
     return stats.to_dict()
 
 
-def usage_object(started: Started | Sequence[Started], done: Done | Sequence[Done]) -> dict:
+def usage_object(started: Started, done: Done | Sequence[Done]) -> dict:
     """OpenAI's usage of an answer, or of the n answers of one request: the prompt counted once (as
-    OpenAI counts it), the answers' tokens summed."""
-    starts = [started] if isinstance(started, Started) else list(started)
+    OpenAI counts it; ``started``: the first answer's), the answers' tokens summed."""
     dones = [done] if isinstance(done, Done) else list(done)
     new_tokens = sum(each.stats.new_tokens for each in dones)
     return {
-        "prompt_tokens": starts[0].prompt_tokens,
+        "prompt_tokens": started.prompt_tokens,
         "completion_tokens": new_tokens,
-        "total_tokens": starts[0].prompt_tokens + new_tokens,
-        "prompt_tokens_details": {"cached_tokens": starts[0].reused_tokens},
+        "total_tokens": started.prompt_tokens + new_tokens,
+        "prompt_tokens_details": {"cached_tokens": started.reused_tokens},
         "completion_tokens_details": {"reasoning_tokens": sum(each.reasoning_tokens for each in dones)},
     }
 
@@ -581,50 +581,50 @@ class OpenAIServer:
 
     async def _started(self, request, parsed: CompletionRequest) -> tuple[Job, Started]:
         """The request queued and begun (its prompt read): the job and its Started event."""
-        (job,), (first,) = await self._all_started(request, [parsed])
+        (job,), first = await self._queued(request, [parsed])
         return job, first
 
-    async def _all_started(self, request, requests: list[CompletionRequest]) -> tuple[list[Job], list[Started]]:
-        """The requests queued (all of them, or none: a refusal cancels those queued before it) and
-        begun, their prompts read: the jobs and their Started events. A request that names no model is
-        answered by the loaded one, as llama-server answers it."""
-        jobs: list[Job] = []
+    async def _queued(self, request, requests: list[CompletionRequest]) -> tuple[list[Job], Started]:
+        """The requests (one request's answers) queued all together, or none, and the first begun (its
+        prompt read): the jobs and the first's Started event; the others' come in their own events.
+        A request that names no model is answered by the loaded one, as llama-server answers it."""
+        jobs = []
+        for parsed in requests:
+            if parsed.model is None:
+                parsed = dataclasses.replace(parsed, model=self.model_id)
+            if parsed.model not in self.http.model_names:
+                raise RequestError(f"the model {parsed.model!r} is not served here; this server serves "
+                                   f"{self.model_id!r} (GET /v1/models)", "model", status=404, code="model_not_found")
+            jobs.append(Job(parsed, asyncio.get_running_loop()))
+        self.worker.submit_all(jobs)
         try:
-            for parsed in requests:
-                if parsed.model is None:
-                    parsed = dataclasses.replace(parsed, model=self.model_id)
-                if parsed.model not in self.http.model_names:
-                    raise RequestError(f"the model {parsed.model!r} is not served here; this server serves "
-                                       f"{self.model_id!r} (GET /v1/models)", "model", status=404,
-                                       code="model_not_found")
-                job = Job(parsed, asyncio.get_running_loop())
-                self.worker.submit(job)
-                jobs.append(job)
-            firsts = [await job.next_event(request.is_disconnected) for job in jobs]  # queued: the worker's
+            first = await jobs[0].next_event(request.is_disconnected)  # queued: waits for the worker
         except BaseException:
             for job in jobs:
                 job.cancel()
             raise
-        failed = next((first for first in firsts if isinstance(first, Failed)), None)
-        if failed is not None:
+        if isinstance(first, Failed):
             for job in jobs:
                 job.cancel()
-            raise failed.error
-        return jobs, firsts
+            raise first.error
+        return jobs, first
 
     async def _complete(self, request, parsed: CompletionRequest):
+        if parsed.n > self.http.max_queue:
+            raise invalid_value("n", f"at most {self.http.max_queue} answers a request here (the server's "
+                                     f"--max-queue), got {parsed.n}")
         # n answers: each a generation of its own (choice i drawn with seed + i where a seed is given)
         requests = [parsed] if parsed.n == 1 else [
             dataclasses.replace(parsed, n=1, sampling=dataclasses.replace(parsed.sampling, seed=(
                 None if parsed.sampling.seed is None else (parsed.sampling.seed + index) % (MAX_SEED + 1))))
             for index in range(parsed.n)]
-        jobs, firsts = await self._all_started(request, requests)
+        jobs, first = await self._queued(request, requests)
         if parsed.stream:
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(self._sse(jobs, firsts), media_type="text/event-stream",
+            return StreamingResponse(self._sse(jobs, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(request, jobs, firsts)
+        return await self._whole(request, jobs, first)
 
     @staticmethod
     async def _collected(request, job: Job, renamed=None,
@@ -649,24 +649,29 @@ class OpenAIServer:
         finally:
             job.cancel()  # a no-op once Done; else the generation stops at its next pass
 
-    async def _whole(self, request, jobs: list[Job], starts: list[Started]):
+    async def _whole(self, request, jobs: list[Job], started: Started):
         from starlette.responses import JSONResponse
 
         try:
-            answers = await asyncio.gather(*(self._choice(request, job, index) for index, job in enumerate(jobs)))
+            if len(jobs) == 1:
+                answers = [await self._choice(request, jobs[0], 0)]
+            else:  # one failing cancels the others' waits at once
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._choice(request, job, index)) for index, job in enumerate(jobs)]
+                answers = [task.result() for task in tasks]
+        except BaseExceptionGroup as group:  # the first failure, as one answer's would be raised
+            raise group.exceptions[0] from None
         finally:
             for job in jobs:
                 job.cancel()  # one failed: the others stop at their next pass
         choices, dones = [choice for choice, _ in answers], [done for _, done in answers]
-        if len(jobs) > 1:  # what speculation did for each answer, beside it
+        response = {**self._header(jobs[0], chunk=False), "choices": choices, "usage": usage_object(started, dones)}
+        if len(jobs) == 1:
+            response["speculation"] = speculation_object(dones[0].stats)
+        else:  # what speculation did for each answer, beside it
             for choice, done in zip(choices, dones):
                 choice["speculation"] = speculation_object(done.stats)
-        return JSONResponse({
-            **self._header(jobs[0], chunk=False),
-            "choices": choices,
-            "usage": usage_object(starts, dones),
-            "speculation": speculation_object(dones[0].stats),
-        })
+        return JSONResponse(response)
 
     async def _choice(self, request, job: Job, index: int) -> tuple[dict, Done]:
         """One whole answer as a choice of the response, and its end."""
@@ -728,7 +733,7 @@ class OpenAIServer:
             chunk["usage"] = None
         return chunk
 
-    async def _sse(self, jobs: list[Job], starts: list[Started]) -> AsyncIterator[str]:
+    async def _sse(self, jobs: list[Job], started: Started) -> AsyncIterator[str]:
         """Server-sent events: a chunk per stretch of text (with the tokens drafted in it), a last
         chunk with the finish reason and the speculation statistics, for each of the answers asked
         (n: their chunks interleaved as they come, each with its choice's index), usage if asked
@@ -744,14 +749,14 @@ class OpenAIServer:
                 async for index, event in events:
                     answer = jobs[index]
                     if isinstance(event, Delta):
-                        chunk = self._chunk(answer, event.text, None, thinking=event.reasoning, index=index)
+                        chunk = self._chunk(job, event.text, None, thinking=event.reasoning, index=index)
                         chunk["choices"][0]["logprobs"] = self._logprobs(answer, event.logprobs, offsets[index])
                         offsets[index] += sum(len(token.text) for token, _ in event.logprobs)
                         chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}
                         yield _sse_data(chunk)
                     elif isinstance(event, Calls):  # each call whole, as one delta of its own
                         for number, call in enumerate(event.calls):
-                            chunk = self._chunk(answer, None, None, index=index)
+                            chunk = self._chunk(job, None, None, index=index)
                             if answer.request.legacy_functions:  # the older form: the first call alone
                                 chunk["choices"][0]["delta"] = {"function_call": {"name": call.name,
                                                                                   "arguments": call.arguments}}
@@ -763,14 +768,14 @@ class OpenAIServer:
                         yield _sse_data(event.error.body())
                         break
                     elif isinstance(event, Done):
-                        last = self._chunk(answer, None, _finish_reason(answer, event.finish_reason), index=index)
+                        last = self._chunk(job, None, _finish_reason(answer, event.finish_reason), index=index)
                         last["speculation"] = speculation_object(event.stats)
                         yield _sse_data(last)
                         dones[index] = event
                         if len(dones) == len(jobs):
                             if job.request.include_usage:
                                 yield _sse_data({**self._header(job, chunk=True), "choices": [],
-                                                 "usage": usage_object(starts, [dones[i] for i in range(len(jobs))])})
+                                                 "usage": usage_object(started, [dones[i] for i in range(len(jobs))])})
                             break
             yield "data: [DONE]\n\n"
         finally:

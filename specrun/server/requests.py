@@ -643,7 +643,8 @@ def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> Compl
                          "parallel_tool_calls", "logprobs", "top_logprobs", "functions", "function_call",
                          *CHAT_TEMPLATE_FIELDS))
     common = parse_common(body, defaults, n_ctx, "max_completion_tokens")
-    legacy = body.get("functions") is not None or body.get("function_call") is not None
+    # function_call "auto" or "none" alone asks nothing (clients send it always, as they did tool_choice)
+    legacy = body.get("functions") is not None or body.get("function_call") not in (None, "auto", "none")
     if legacy:
         tools, choice = _legacy_functions(body)
     else:
@@ -665,11 +666,12 @@ def _legacy_functions(body: dict) -> tuple[tuple[Tool, ...], ToolChoice]:
     ``function_call`` ("none", "auto" or ``{"name": ...}``) as tools and tool_choice; a refusal names
     the older fields."""
     functions, call = body.get("functions"), body.get("function_call")
+    if functions is None:
+        raise invalid_value("function_call", "names a function of functions (their older form): send functions too, "
+                                             "or use tools and tool_choice")
     if body.get("tools") is not None or body.get("tool_choice") is not None:
         raise invalid_value("functions", "send tools and tool_choice, or functions and function_call (their older "
                                          "form), not both")
-    if call is not None and functions is None:
-        raise invalid_value("function_call", "names a choice among functions: send functions too")
     if not isinstance(functions, list):
         raise RequestError("functions must be a list of {name, description, parameters} objects", "functions",
                            code="invalid_type")
@@ -795,8 +797,7 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")
         elif role == "assistant" and message.get("function_call") is not None:  # the older form of one call
-            call = message["function_call"]
-            entry["tool_calls"] = _earlier_calls([{"type": "function", "function": call}], f"{where}.function_call")
+            entry["tool_calls"] = _earlier_function_call(message["function_call"], f"{where}.function_call")
         if role == "assistant":  # an earlier answer's thinking, which a template may write back (Qwen3's last)
             for key in ("reasoning_content", "reasoning"):  # llama-server's name, and vLLM's newer one
                 if message.get(key) is not None:
@@ -825,6 +826,17 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
                 entry["name"] = checked_text(name, f"{where}.name")
         parsed.append(entry)
     return tuple(parsed)
+
+
+def _earlier_function_call(call, where: str) -> list[dict]:
+    """An assistant message's ``function_call`` (OpenAI's older form of one call) as its tool_calls."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise RequestError(f'{where} must be {{"name": ..., "arguments": ...}}', where, code="invalid_type")
+    try:
+        return _earlier_calls([{"type": "function", "function": call}], where)
+    except RequestError as exc:  # named as the client wrote it: where.arguments, not where[0].function.arguments
+        param = (exc.param or where).replace(f"{where}[0].function", where)
+        raise RequestError(exc.message.replace(exc.param or "", param), param, code=exc.code) from None
 
 
 def _earlier_calls(calls, where: str) -> list[dict]:

@@ -74,6 +74,8 @@ class ResponsesNames:
             renamed = "max_output_tokens" + param[len("max_completion_tokens"):]
         elif param.startswith("response_format"):
             renamed = "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
+        elif param.startswith("tool_choice.allowed_tools"):  # Responses' allowed_tools lie in tool_choice itself
+            renamed = "tool_choice" + param[len("tool_choice.allowed_tools"):]
         else:
             renamed = re.sub(r"^(tools\[\d+\])\.function", r"\1", param)
         if renamed == param:

@@ -504,12 +504,18 @@ class PairWorker:
         return self.session.method
 
     def submit(self, job: Job) -> None:
+        self.submit_all([job])
+
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue the jobs (one request's answers) all together, or none: a 429 where the queue has
+        no room for them all, a 503 shutting down."""
         if self.closing:
             self.metrics.refuse("shutting_down")
             raise shutting_down()
         with self._submitting:
-            if self.jobs.qsize() < self.max_queue:
-                self.jobs.put(job)
+            if self.jobs.qsize() + len(jobs) <= self.max_queue:
+                for job in jobs:
+                    self.jobs.put(job)
                 return
         self.metrics.refuse("busy")
         # the queue drains at about one answer per slot per mean answer time
@@ -796,8 +802,9 @@ class PairWorker:
         if grammar is not None and grammar.spec.thought is None:
             return None
         tags = thinking_tags(self.session.template)
-        callable = [tool.name for tool in job.request.tool_choice.callable(job.request.tools)]
-        return None if tags is None else reasoning_split(tags, job.opens_thinking, callable)
+        # gpt-oss's calls to the functions the prompt shows (the tool style reads those it may call)
+        offered = [] if job.request.tool_choice.mode == "none" else [tool.name for tool in job.request.tools]
+        return None if tags is None else reasoning_split(tags, job.opens_thinking, offered)
 
     def _thinking_tokens(self, job: Job) -> ThinkingTokens | None:
         """What counts a chat answer's thinking tokens (usage's reasoning_tokens), whatever the

@@ -221,9 +221,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 # the answer read apart from its thinking, and the calls it made after it (before a save
                 # below can fail: the answer kept then is read the same)
                 if thinking is not None:
-                    callable = [tool.name for tool in request.tool_choice.callable(request.tools)]
+                    offered = [] if request.tool_choice.mode == "none" else [tool.name for tool in request.tools]
                     event.result.reasoning, event.result.content = split_reasoning(event.result.text, *thinking,
-                                                                                   callable)
+                                                                                   offered)
                 if request.tools and request.tool_choice.mode != "none":
                     template = ChatTemplate.for_backend(target)
                     names = [tool.name for tool in request.tool_choice.callable(request.tools)]

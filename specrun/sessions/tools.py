@@ -232,7 +232,7 @@ def _allowed_tools(allowed, tools: Sequence[Tool]) -> ToolChoice:
     if not isinstance(allowed, dict) or allowed.get("mode", "auto") not in ("auto", "required") or not isinstance(
             allowed.get("tools"), list) or not allowed["tools"]:
         raise ToolDefinitionError(f'{where} must be {{"mode": "auto" or "required", "tools": [{{"type": "function", '
-                                  '"function": {"name": ...}}, ...]}} naming at least one function', where,
+                                  '"function": {"name": ...}}, ...]} naming at least one function', where,
                                   "invalid_type")
     defined, names = {tool.name for tool in tools}, []
     for index, entry in enumerate(allowed["tools"]):
@@ -240,7 +240,7 @@ def _allowed_tools(allowed, tools: Sequence[Tool]) -> ToolChoice:
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(entry, dict) or entry.get("type", "function") != "function" or not isinstance(name, str):
             raise ToolDefinitionError(f'{where}.tools[{index}] must be {{"type": "function", "function": {{"name": '
-                                      '...}}}}', f"{where}.tools[{index}]", "invalid_type")
+                                      '...}}', f"{where}.tools[{index}]", "invalid_type")
         if name not in defined:
             known = ", ".join(tool.name for tool in tools) or "none"
             raise ToolDefinitionError(f"{where}.tools[{index}] names the function {_shown(name)}, which tools does "

@@ -51,8 +51,9 @@ def test_n_answers_stream_interleaved_by_their_index(plain_server):
     stream = plain_server.client().chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=12, n=2, temperature=1.0, seed=7, stream=True,
         stream_options={"include_usage": True})
-    texts, finished, usage = {0: [], 1: []}, {}, None
+    texts, finished, usage, ids = {0: [], 1: []}, {}, None, set()
     for chunk in stream:
+        ids.add(chunk.id)
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -62,6 +63,17 @@ def test_n_answers_stream_interleaved_by_their_index(plain_server):
     assert ["".join(texts[index]) for index in (0, 1)] == [c["message"]["content"] for c in whole["choices"]]
     assert finished == {0: whole["choices"][0]["finish_reason"], 1: whole["choices"][1]["finish_reason"]}
     assert usage.completion_tokens == whole["usage"]["completion_tokens"]
+    assert len(ids) == 1  # every chunk of one request carries its id
+
+
+def test_more_answers_than_the_queue_holds_are_a_400_and_the_queue_takes_all_or_none():
+    server = start_server(*DEMO_ARGS, "--method", "none", "--parallel", "1", "--max-queue", "2")
+    try:
+        status, body = server.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "n": 3})
+        assert status == 400 and body["error"]["param"] == "n" and "--max-queue" in body["error"]["message"], body
+        assert _answer(server, n=2)["choices"][1]["index"] == 1
+    finally:
+        assert stop_server(server) == 0, server.log
 
 
 def test_completions_take_n_too(demo_server):

@@ -147,6 +147,8 @@ BAD = [
     (_body(truncation="auto"), "truncation", "unsupported_value"),
     (_body(text={"format": {"type": "xml"}}), "text.format.type", "invalid_value"),
     (_body(colour="blue"), "colour", "unknown_parameter"),
+    (_body(tools=[WEATHER], tool_choice={"type": "allowed_tools", "mode": "required", "tools": [
+        {"type": "function", "name": "launch"}]}), "tool_choice.tools[0]", "invalid_value"),
     (_body(text={"verbosity": "low"}), "text.verbosity", "unsupported_value"),
     (_body(include=["file_search_call.results"]), "include", "unsupported_value"),
     (_body(top_logprobs=2), "top_logprobs", "invalid_value"),  # without include's logprobs

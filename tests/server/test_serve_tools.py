@@ -118,6 +118,10 @@ def test_functions_in_openai_s_older_form_are_called_and_answered(demo_server):
     assert status == 200 and final["choices"][0]["message"]["content"], final
     status, rendered = demo_server.post("/apply-template", {"messages": history, "tools": [WEATHER, TIME]})
     assert status == 200 and '"get_time"' in rendered["prompt"] and '{"time": "12:00"}' in rendered["prompt"]
+    # "auto" or "none" alone asks nothing (clients send it always): tools as they are
+    status, plain = demo_server.post("/v1/chat/completions", {"messages": QUESTION, "function_call": "auto",
+                                                              "max_tokens": 4})
+    assert status == 200 and plain["choices"][0]["finish_reason"] in ("stop", "length"), plain
 
 
 def test_a_forced_call_is_answered_whatever_the_stop_strings(demo_server):
@@ -237,7 +241,12 @@ BAD += [
 
 BAD += [
     (_body(functions=[WEATHER["function"]], tools=[WEATHER]), "functions", "invalid_value"),
-    (_body(function_call="auto"), "function_call", "invalid_value"),
+    (_body(function_call={"name": "get_weather"}), "function_call", "invalid_value"),  # functions to name
+    (_body(tools=[WEATHER], function_call={"name": "get_weather"}), "function_call", "invalid_value"),
+    (_body(messages=[*QUESTION, {"role": "assistant", "function_call": {"name": "f", "arguments": 5}}]),
+     "messages[1].function_call.arguments", "invalid_type"),
+    (_body(messages=[*QUESTION, {"role": "assistant", "function_call": {"arguments": "{}"}}]),
+     "messages[1].function_call", "invalid_type"),
     (_body(functions={"name": "f"}), "functions", "invalid_type"),
     (_body(functions=["f"]), "functions[0]", "invalid_type"),
     (_body(functions=[{"description": "no name"}]), "functions[0].name", "missing_required_parameter"),
