@@ -427,6 +427,19 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
     logits: (n, vocab) or (vocab,). Returns float64 of the same shape, rows sum to 1.
     Greedy settings give a one-hot row at the argmax.
     """
+    probs = chain_probabilities(logits, settings, infill)
+    if not settings.carries_state:
+        return probs
+    rows = np.asarray(logits, dtype=np.float64)
+    if rows.ndim == 1:
+        return stateful_rows(probs[None, :], settings, [state], rows[None, :])[0]
+    return stateful_rows(probs, settings, [state] * len(probs), rows)
+
+
+def chain_probabilities(logits: np.ndarray, settings: SamplingSettings,
+                        infill: InfillVocab | None = None) -> np.ndarray:
+    """``probabilities`` before a sampler that carries a state along the text (the whole chain where
+    none does): logits (n, vocab) or (vocab,), float64 rows of the same shape."""
     logits = np.asarray(logits, dtype=np.float64)
     squeeze = logits.ndim == 1
     rows = logits[None, :] if squeeze else logits  # (n, V)
@@ -434,21 +447,8 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
         out = np.zeros_like(rows)
         out[np.arange(len(rows)), rows.argmax(axis=-1)] = 1.0
         return out[0] if squeeze else out
-
     probs = _chained(rows, settings, settings.chain, infill)
-    if settings.carries_state:
-        probs = stateful_rows(probs, settings, [state] * len(probs), rows)
     return probs[0] if squeeze else probs
-
-
-def chain_probabilities(logits: np.ndarray, settings: SamplingSettings, infill: InfillVocab | None = None) -> np.ndarray:
-    """``probabilities`` before a sampler that carries a state along the text: the rest of the chain's rows."""
-    if not settings.carries_state:
-        return probabilities(logits, settings, infill)
-    logits = np.asarray(logits, dtype=np.float64)
-    rows = logits[None, :] if logits.ndim == 1 else logits
-    probs = _chained(rows, settings, settings.chain, infill)
-    return probs[0] if logits.ndim == 1 else probs
 
 
 def stateful_rows(probs: np.ndarray, settings: SamplingSettings, states: Sequence, logits: np.ndarray) -> np.ndarray:

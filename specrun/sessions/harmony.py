@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from specrun.sessions.streamed import held_prefix
+
 MESSAGE, END = "<|message|>", "<|end|>"
 # the control tokens a harmony answer is read by, shown as their text (llama.cpp's preserved tokens)
 MARKERS = ("<|start|>", "<|channel|>", MESSAGE, END, "<|constrain|>")
@@ -101,7 +103,7 @@ class HarmonySplit:
                 at = self._held.find(MESSAGE)
                 if at < 0:  # (a <|message|> begun at the end does not count against the limit)
                     if not _may_begin_header(self._held) or \
-                            len(self._held) - _held_prefix(self._held, MESSAGE) > MAX_HEADER_CHARS:
+                            len(self._held) - held_prefix(self._held, MESSAGE) > MAX_HEADER_CHARS:
                         self._state = "loose"
                         continue
                     break
@@ -116,7 +118,7 @@ class HarmonySplit:
                     self._body_out(self._held[:closed], out)
                     self._state, self._held = "header", self._held[closed + len(END):]
                     continue
-                keep = _held_prefix(self._held, END)
+                keep = held_prefix(self._held, END)
                 self._body_out(self._held[: len(self._held) - keep], out)
                 self._held = self._held[len(self._held) - keep:]
                 break
@@ -156,14 +158,6 @@ class HarmonySplit:
         out = {"thinking": [], "answer": [], "": []}
         self._body_out(held, out)
         return "".join(out["thinking"]), "".join(out["answer"])
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """How many characters at ``text``'s end could begin ``tag`` (held back until the next piece)."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def harmony_messages(messages: Sequence[dict]) -> list[dict]:

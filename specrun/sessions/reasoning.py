@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from specrun.grammar import GrammarSpec
 from specrun.sessions import harmony
+from specrun.sessions.streamed import held_prefix
 from specrun.sessions.templates import ChatTemplate
 
 # llama-server's reasoning formats: "none" leaves the thinking in the content as generated;
@@ -108,14 +109,6 @@ def closes_thinking(tags: ThinkTags | None, tail: str) -> bool:
     return opened >= 0 and tail.find(tags.end, opened) >= 0
 
 
-def _held_prefix(text: str, tag: str) -> int:
-    """How many characters at ``text``'s end could begin ``tag`` (held back until the next piece)."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class ReasoningSplit:
     """The answer's text as it streams, read into thinking and answer.
 
@@ -159,7 +152,7 @@ class ReasoningSplit:
                     continue
                 # a closing tag's first characters wait, and the whitespace before them (dropped
                 # if the tag closes there)
-                tag_part = _held_prefix(self._held, self.tags.end)
+                tag_part = held_prefix(self._held, self.tags.end)
                 before = self._held[: len(self._held) - tag_part]
                 keep = tag_part + len(before) - len(before.rstrip())
                 reasoning.append(self._thinking_out(self._held[: len(self._held) - keep]))

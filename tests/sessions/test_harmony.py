@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from grammar_walks import accepts, walks
 from model_factory import HARMONY_TEMPLATE
 from specrun.sessions.harmony import HarmonySplit, harmony_messages, read_header
 from specrun.sessions.reasoning import HARMONY_TAGS, opens_thinking, split_reasoning, thinking_tags
@@ -146,22 +147,16 @@ def test_a_call_to_a_function_not_offered_is_text_and_a_cut_call_is_dropped():
 def test_a_required_call_is_one_call_parallel_or_not():
     """``<|call|>`` (an end of text) ends a harmony answer after its one call: parallel_tool_calls
     asks for nothing more."""
-    import llguidance
     import numpy as np
 
     from specrun.backends.fake import FakeBackend
-    from specrun.grammar import Grammar, Vocabulary
+    from specrun.grammar import Grammar
 
     backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])  # a token a byte
     for parallel in (False, True):
         grammar = Grammar.compile(HARMONY.grammar(WEATHER, tool_choice_of("required", WEATHER), parallel), backend)
-
-        def accepted(text: str) -> bool:
-            matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(),
-                                           log_level=0)
-            return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
-
-        assert accepted(CALL) and accepted("<|start|>assistant" + CALL) and not accepted(CALL + CALL)
+        for text, taken in ((CALL, True), ("<|start|>assistant" + CALL, True), (CALL + CALL, False)):
+            assert accepts(grammar, backend, text.encode()) == taken, (parallel, text)
 
 
 def test_a_harmony_template_is_known_by_its_channels():
@@ -208,15 +203,6 @@ def _backends(model):
     yield MlxBackend(model.hf_dir)
 
 
-def _walk(grammar, ids) -> bool:
-    state = grammar.start()
-    for token in ids:
-        if not state.allowed()[token]:
-            return False
-        state.advance([token])
-    return True
-
-
 def test_a_required_call_and_a_schema_are_held_in_harmony_s_messages(harmony_model):
     """The grammars of a required call and of a JSON answer, after any analysis message: the call
     with its recipient in the role part (as the template writes calls back), the JSON in the final
@@ -234,14 +220,14 @@ def test_a_required_call_and_a_schema_are_held_in_harmony_s_messages(harmony_mod
             spec = HARMONY.grammar(WEATHER, tool_choice_of("required", WEATHER), backend=backend)
             call = Grammar.compile(grammar_after_thinking(spec, backend, HARMONY_TAGS, False), backend)
             thinking = "<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant"
-            assert _walk(call, ids(CALL)) and _walk(call, ids(thinking + CALL))
-            assert not _walk(call, ids("<|channel|>final<|message|>Hi"))
-            assert not _walk(call, ids(' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}'))
+            assert walks(call, ids(CALL)) and walks(call, ids(thinking + CALL))
+            assert not walks(call, ids("<|channel|>final<|message|>Hi"))
+            assert not walks(call, ids(' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}'))
             schema = Grammar.compile(grammar_after_thinking(GrammarSpec("json_object"), backend, HARMONY_TAGS, False),
                                      backend)
-            assert _walk(schema, ids(thinking + '<|channel|>final<|message|>{"a": 1}'))
-            assert _walk(schema, ids('<|channel|>final<|message|>{"a": 1}'))
-            assert not _walk(schema, ids('{"a": 1}'))  # the final channel's header first
+            assert walks(schema, ids(thinking + '<|channel|>final<|message|>{"a": 1}'))
+            assert walks(schema, ids('<|channel|>final<|message|>{"a": 1}'))
+            assert not walks(schema, ids('{"a": 1}'))  # the final channel's header first
         finally:
             backend.close()
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from grammar_walks import walks
 from model_factory import THINKING_TEMPLATE
 from specrun.sessions.reasoning import (
     THINK_TAGS, ReasoningSplit, ThinkingTokens, ThinkTags, opens_thinking, split_reasoning, thinking_tags,
@@ -184,13 +185,8 @@ def test_a_chat_keeps_the_thinking_apart_and_gives_it_back_to_the_template(think
 
 def _walk(grammar, backend, text_or_ids) -> bool:
     """Does the grammar allow these tokens (text tokenized plainly), one after another?"""
-    state = grammar.start()
     ids = text_or_ids if isinstance(text_or_ids, list) else backend.tokenize(text_or_ids, add_bos=False)
-    for token in ids:
-        if not state.allowed()[token]:
-            return False
-        state.advance([token])
-    return True
+    return walks(grammar, ids)
 
 
 def test_a_grammar_holds_the_answer_after_the_thinking(thinking_model):
