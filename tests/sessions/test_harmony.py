@@ -12,6 +12,7 @@ import pytest
 
 from grammar_walks import accepts, walks
 from model_factory import HARMONY_TEMPLATE
+from split_feeding import fed_in_pieces
 from specrun.sessions.harmony import HarmonySplit, harmony_messages, read_header
 from specrun.sessions.reasoning import HARMONY_TAGS, opens_thinking, split_reasoning, thinking_tags
 from specrun.sessions.templates import ChatTemplate
@@ -91,15 +92,7 @@ def test_the_split_is_the_same_however_the_stream_is_cut():
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
         if case % 10 == 0:
             text = long_header + rng.choice(["", "x", "xx"]) + "<|message|>body" + text
-        split, thought, answer, at = HarmonySplit(callable=("f",)), [], [], 0
-        while at < len(text):
-            step = rng.randint(1, 6)
-            got = split.feed(text[at:at + step])
-            thought.append(got[0])
-            answer.append(got[1])
-            at += step
-        held = split.finish()
-        assert ("".join(thought) + held[0], "".join(answer) + held[1]) == _reference(text), text
+        assert fed_in_pieces(HarmonySplit(callable=("f",)), text, rng, 6) == _reference(text), text
 
 
 def test_text_that_is_no_header_is_not_held_and_a_header_without_its_message_is_given_up():

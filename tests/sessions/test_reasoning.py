@@ -11,6 +11,7 @@ import pytest
 
 from grammar_walks import walks
 from model_factory import THINKING_TEMPLATE
+from split_feeding import fed_in_pieces
 from specrun.sessions.reasoning import (
     THINK_TAGS, ReasoningSplit, ThinkingTokens, ThinkTags, opens_thinking, split_reasoning, thinking_tags,
 )
@@ -66,15 +67,7 @@ def test_the_split_is_the_same_however_the_stream_is_cut(tags):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         opened = rng.random() < 0.5
         expected = _reference(text, tags, opened)
-        split, thought, answer, at = ReasoningSplit(tags, opened), [], [], 0
-        while at < len(text):
-            step = rng.randint(1, 5)
-            got = split.feed(text[at:at + step])
-            thought.append(got[0])
-            answer.append(got[1])
-            at += step
-        held = split.finish()
-        assert ("".join(thought) + held[0], "".join(answer) + held[1]) == expected, (text, opened)
+        assert fed_in_pieces(ReasoningSplit(tags, opened), text, rng, 5) == expected, (text, opened)
 
 
 def test_thinking_goes_out_as_it_comes_and_only_a_tag_s_beginning_waits():
